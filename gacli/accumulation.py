@@ -1,0 +1,436 @@
+"""The accumulation engine: an optimizer that sums micro-batch gradients and updates once a window.
+
+Everything that must happen once per optimizer update (LR schedule, Adam bias correction, weight
+decay, EMA, clipnorm / global_clipnorm / clipvalue, AGC) is left to the wrapped ("inner") optimizer
+or done here on the accumulated gradient, so it acts on the window exactly as it would on one big
+batch. The inner optimizer's ``iterations`` therefore counts optimizer updates, and the wrapper adds
+a ``micro_step`` counter of its own.
+
+Exactness with ragged micro-batches (contract E2) uses deferred normalisation: a caller that knows
+the micro-batch size passes ``sample_count`` and the gradient of the micro-batch *mean* loss; the
+wrapper accumulates ``gradient * sample_count`` and the counts, and divides once, by the total
+count, when the window is applied.
+
+The apply/accumulate decision is a graph conditional. Under ``tf.distribute`` it is taken in
+cross-replica context inside ``merge_call`` (as Keras' own ``LossScaleOptimizer`` does), never as a
+replica-context ``tf.cond`` around a synchronisation: that shape is what makes Keras' built-in
+``gradient_accumulation_steps`` crash under every strategy (keras-team/keras#20582).
+"""
+
+import contextlib
+import enum
+import numbers
+import threading
+
+import keras
+import tensorflow as tf
+
+# Arguments of keras.optimizers.Optimizer that belong to the inner optimizer: they act once per
+# update, which is the inner optimizer's business.
+_INNER_ONLY_ARGUMENTS = (
+    "learning_rate",
+    "weight_decay",
+    "clipnorm",
+    "global_clipnorm",
+    "clipvalue",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
+
+
+class PartialWindow(str, enum.Enum):
+    """What happens to a window that holds fewer than ``accum_steps`` micro-batches at epoch end."""
+
+    APPLY = "apply"  # apply it, normalised by the samples it really holds
+    DROP = "drop"  # discard its gradients
+    CARRY = "carry"  # keep accumulating into the next epoch; applied at the end of training
+
+
+class Reduction(str, enum.Enum):
+    """How the micro-batch gradients of a window are combined."""
+
+    MEAN = "mean"  # weighted mean: one big batch over the same samples
+    SUM = "sum"  # plain sum of the micro-batch gradients (the older package's "SUM")
+
+
+def _parse_enum(enum_type, value, argument):
+    try:
+        return enum_type(str(getattr(value, "value", value)).lower())
+    except ValueError:
+        choices = ", ".join(repr(member.value) for member in enum_type)
+        raise ValueError(
+            f"{argument}={value!r} is not one of {choices}; pass one of those, "
+            f"e.g. {argument}={next(iter(enum_type)).value!r}."
+        ) from None
+
+
+def validate_accum_steps(accum_steps):
+    """Return ``accum_steps`` as an int >= 1, or raise a ValueError that says what to pass."""
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
+        raise ValueError(
+            f"accum_steps={accum_steps!r} must be a whole number >= 1 (the number of micro-batches "
+            "summed into one optimizer update), e.g. accum_steps=4."
+        )
+    accum_steps = int(accum_steps)
+    if accum_steps < 1:
+        raise ValueError(
+            f"accum_steps={accum_steps} must be >= 1 (the number of micro-batches summed into one "
+            "optimizer update); use accum_steps=1 to train without accumulation."
+        )
+    return accum_steps
+
+
+def _in_distributed_replica_context():
+    return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
+
+
+@keras.saving.register_keras_serializable(package="gacli")
+class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
+    """Wraps any Keras 3 optimizer so that it updates once every ``accum_steps`` calls.
+
+    Call ``apply_gradients`` (or ``apply``) once per micro-batch, as with any optimizer. Gradients
+    are summed into float32 accumulators (``accumulator_dtype``); on every ``accum_steps``-th call
+    the inner optimizer applies their (weighted) mean once.
+
+    Args:
+        optimizer: the inner optimizer: an instance, a name (``"adam"``) or a config dict.
+        accum_steps: micro-batches per optimizer update (>= 1).
+        reduction: ``"mean"`` (default; the big-batch gradient) or ``"sum"``.
+        use_agc: apply adaptive gradient clipping to the accumulated gradient.
+        clip_factor: AGC's maximum ratio of unit gradient norm to unit parameter norm.
+        eps: AGC's floor on the parameter norm.
+        mixed_precision: kept for compatibility with ``gradient-accumulator``; in Keras 3 loss
+            scaling comes from the dtype policy (see the error raised when it is set).
+        partial_window: ``"apply"``, ``"drop"`` or ``"carry"``; what :meth:`finish_epoch` does with
+            a window that is not full.
+        accumulator_dtype: dtype of the gradient accumulators (default float32 whatever the
+            compute dtype, contract P1).
+        name: optimizer name.
+        dtype: alias of ``accumulator_dtype`` kept for ``gradient-accumulator`` users.
+
+    Example:
+        >>> optimizer = GradientAccumulateOptimizer(keras.optimizers.Adam(1e-3), accum_steps=4)
+        >>> model.compile(optimizer=optimizer, loss="mse")
+        >>> # custom loop, exact with a short last micro-batch:
+        >>> optimizer.apply_gradients(zip(grads, model.trainable_variables), sample_count=n)
+    """
+
+    def __init__(
+        self,
+        optimizer="sgd",
+        accum_steps=1,
+        reduction="mean",
+        use_agc=False,
+        clip_factor=0.01,
+        eps=1e-3,
+        mixed_precision=False,
+        partial_window="apply",
+        accumulator_dtype="float32",
+        name="GradientAccumulateOptimizer",
+        dtype=None,
+        **kwargs,
+    ):
+        misplaced = sorted(key for key in kwargs if key in _INNER_ONLY_ARGUMENTS)
+        if misplaced:
+            raise ValueError(
+                f"GradientAccumulateOptimizer does not take {', '.join(misplaced)}: these act once "
+                "per update and belong to the inner optimizer, e.g. GradientAccumulateOptimizer("
+                "keras.optimizers.Adam(learning_rate=1e-3, clipnorm=1.0), accum_steps=4)."
+            )
+        if kwargs:
+            raise TypeError(
+                f"GradientAccumulateOptimizer got unexpected arguments: {', '.join(sorted(kwargs))}."
+            )
+        if mixed_precision:
+            raise ValueError(
+                "mixed_precision=True no longer applies in Keras 3: set the policy before building "
+                "the model, keras.mixed_precision.set_global_policy('mixed_float16'), and "
+                "model.compile wraps this optimizer in a LossScaleOptimizer by itself (in a custom "
+                "loop: keras.optimizers.LossScaleOptimizer(GradientAccumulateOptimizer(...)))."
+            )
+        super().__init__(learning_rate=0.0, name=name)
+        if isinstance(optimizer, str):
+            optimizer = optimizer.lower()
+        inner = keras.optimizers.get(optimizer)
+        if isinstance(inner, GradientAccumulateOptimizer):
+            raise ValueError(
+                "GradientAccumulateOptimizer cannot wrap another GradientAccumulateOptimizer; "
+                "wrap the plain optimizer once with the accum_steps you want."
+            )
+        if getattr(inner, "gradient_accumulation_steps", None):
+            raise ValueError(
+                "The inner optimizer already accumulates (gradient_accumulation_steps="
+                f"{inner.gradient_accumulation_steps}); remove that argument and let "
+                "GradientAccumulateOptimizer do it: it is exact with ragged micro-batches and "
+                "runs LR schedules and EMA once per update."
+            )
+        self.inner_optimizer = inner
+        self.accum_steps = validate_accum_steps(accum_steps)
+        self.reduction = _parse_enum(Reduction, reduction, "reduction")
+        self.partial_window = _parse_enum(PartialWindow, partial_window, "partial_window")
+        self.use_agc = bool(use_agc)
+        self.clip_factor = float(clip_factor)
+        self.eps = float(eps)
+        self.accumulator_dtype = keras.backend.standardize_dtype(dtype or accumulator_dtype)
+        # Indices (into the trainable variables) that received gradients in the traced apply();
+        # a variable that never gets a gradient must not be "updated" with a zero gradient, which
+        # would still move it under Adam or momentum.
+        self._gradient_indices = None
+        self._window_functions = {}
+        # Per thread, because MirroredStrategy runs each replica's step in its own thread.
+        self._scoped_counts = threading.local()
+
+    @contextlib.contextmanager
+    def sample_count_scope(self, sample_count):
+        """Hand ``sample_count`` to the ``apply`` calls made inside, through wrappers such as
+        ``LossScaleOptimizer`` whose ``apply`` has no such argument."""
+        previous = getattr(self._scoped_counts, "value", None)
+        self._scoped_counts.value = sample_count
+        try:
+            yield
+        finally:
+            self._scoped_counts.value = previous
+
+    # -- state ------------------------------------------------------------------------------------
+    def _add_state(self, name, shape=(), dtype="float32", per_replica=False):
+        """An optimizer variable; ``per_replica`` ones hold a different value on each replica."""
+        with keras.name_scope(self.name, caller=self):
+            variable = keras.Variable(
+                initializer=keras.initializers.Zeros(),
+                shape=shape,
+                dtype=dtype,
+                trainable=False,
+                name=name,
+                aggregation="sum" if per_replica else "only_first_replica",
+                synchronization="on_read" if per_replica else "auto",
+            )
+        self._track_variable(variable)
+        return variable
+
+    def build(self, var_list):
+        if self.built:
+            return
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+        self.micro_step = self._add_state("micro_step", dtype="int64")
+        self.window_micro_steps = self._add_state("window_micro_steps", dtype="int64")
+        # Sum of the sample counts (or of the calls, when none is given) in the open window.
+        self.window_weight = self._add_state("window_weight", per_replica=True)
+        self._accumulators = [
+            self._add_state(
+                f"{variable.path.replace('/', '_')}_accumulator"
+                if hasattr(variable, "path")
+                else f"accumulator_{index}",
+                shape=variable.shape,
+                dtype=self.accumulator_dtype,
+                per_replica=True,
+            )
+            for index, variable in enumerate(var_list)
+        ]
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        # Called once by the base constructor before the inner optimizer exists.
+        if "inner_optimizer" in self.__dict__:
+            self.inner_optimizer.learning_rate = learning_rate
+
+    def _get_current_learning_rate(self):
+        return self.inner_optimizer._get_current_learning_rate()
+
+    @property
+    def iterations(self):
+        """Optimizer updates applied (the inner optimizer's counter)."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def optimizer_step(self):
+        """Optimizer updates applied; ``micro_step`` counts the calls to ``apply``."""
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # -- the micro-step ---------------------------------------------------------------------------
+    def apply_gradients(self, grads_and_vars, sample_count=None):
+        grads, variables = zip(*grads_and_vars)
+        self.apply(grads, variables, sample_count=sample_count)
+        return self.iterations
+
+    def apply(self, grads, trainable_variables=None, sample_count=None):
+        """Accumulate one micro-batch; update through the inner optimizer every k-th call.
+
+        Args:
+            grads: gradients of the micro-batch's mean loss.
+            trainable_variables: the matching variables (optional once built).
+            sample_count: samples (or total sample weight) in the micro-batch. With it, the window
+                is normalised by its total count, summed over replicas; without it every call
+                weighs the same and gradients are taken as already scaled for distribution, as
+                Keras' own ``train_step`` computes them.
+        """
+        grads = list(grads)
+        if not grads:
+            return
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "Pass the variables on the first call, e.g. "
+                    "optimizer.apply(grads, model.trainable_variables)."
+                )
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            self.build(trainable_variables)
+        if sample_count is None:
+            sample_count = getattr(self._scoped_counts, "value", None)
+        weighted = sample_count is not None
+        weight = tf.cast(sample_count, "float32") if weighted else tf.constant(1.0)
+        if self.reduction is Reduction.SUM:
+            weight = tf.constant(1.0)
+        indices = []
+        for gradient, variable in zip(grads, trainable_variables):
+            if gradient is None:
+                continue
+            index = self._get_variable_index(variable)
+            indices.append(index)
+            accumulator = self._accumulators[index]
+            # Sparse (IndexedSlices) gradients are densified here; contract row E5 is open.
+            gradient = tf.cast(tf.convert_to_tensor(gradient), accumulator.dtype)
+            accumulator.assign_add(gradient * tf.cast(weight, accumulator.dtype))
+        self._gradient_indices = tuple(sorted(indices))
+        self._weighted = weighted
+        self.window_weight.assign_add(weight)
+        self.window_micro_steps.assign_add(1)
+        self.micro_step.assign_add(1)
+        self._apply_window_if(self.window_micro_steps >= self.accum_steps)
+
+    # -- the update -------------------------------------------------------------------------------
+    def _apply_window_if(self, should_apply):
+        """Apply the open window when ``should_apply``; a graph conditional, never Python."""
+        if _in_distributed_replica_context():
+
+            def merge_fn(distribution, should_apply):
+                decision = distribution.experimental_local_results(should_apply)[0]
+                tf.cond(
+                    decision,
+                    lambda: distribution.extended.call_for_each_replica(self._apply_window),
+                    lambda: None,
+                )
+
+            tf.distribute.get_replica_context().merge_call(merge_fn, args=(should_apply,))
+        else:
+            tf.cond(should_apply, self._apply_window, lambda: None)
+
+    def _apply_window(self):
+        indices = self._gradient_indices or ()
+        variables = [self._trainable_variables[index] for index in indices]
+        accumulators = [self._accumulators[index] for index in indices]
+        if self.reduction is Reduction.SUM:
+            denominator = tf.constant(1.0)
+        else:
+            denominator = tf.convert_to_tensor(self.window_weight)
+            replica_context = tf.distribute.get_replica_context()
+            if self._weighted and _in_distributed_replica_context():
+                # Contract D3: normalise by the samples of the whole window on all replicas.
+                denominator = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, denominator)
+        grads = [
+            tf.cast(tf.convert_to_tensor(accumulator) / tf.cast(denominator, accumulator.dtype),
+                    variable.dtype)
+            for accumulator, variable in zip(accumulators, variables)
+        ]
+        if self.use_agc:
+            from gacli.clipping import adaptive_clip_gradients
+
+            grads = adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
+        self.inner_optimizer.apply(grads, variables)
+        self._reset_window()
+
+    def _reset_window(self):
+        for accumulator in self._accumulators:
+            accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
+        self.window_weight.assign(0.0)
+        self.window_micro_steps.assign(0)
+
+    # -- windows that are not full ----------------------------------------------------------------
+    def _run_window_function(self, kind):
+        """Run ``flush`` or ``discard`` as a compiled function in the right distribution context."""
+        if not self.built or self._gradient_indices is None:
+            return
+        function = self._window_functions.get(kind)
+        if function is None:
+            strategy = tf.distribute.get_strategy()
+            step = self._flush_step if kind == "flush" else self._reset_window
+
+            @tf.function
+            def function():
+                if tf.distribute.has_strategy():
+                    strategy.run(step)
+                else:
+                    step()
+
+            self._window_functions[kind] = function
+        function()
+
+    def _flush_step(self):
+        self._apply_window_if(self.window_micro_steps > 0)
+
+    def flush(self):
+        """Apply the open window now, normalised by the samples it holds (no-op when empty)."""
+        self._run_window_function("flush")
+
+    def discard_window(self):
+        """Drop the gradients of the open window without updating."""
+        self._run_window_function("discard")
+
+    def finish_epoch(self, last=False):
+        """Treat the open window per ``partial_window``; ``last=True`` at the end of training."""
+        if self.partial_window is PartialWindow.APPLY or (
+            last and self.partial_window is PartialWindow.CARRY
+        ):
+            self.flush()
+        elif self.partial_window is PartialWindow.DROP:
+            self.discard_window()
+
+    # -- serialisation ----------------------------------------------------------------------------
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "accum_steps": self.accum_steps,
+            "reduction": self.reduction.value,
+            "use_agc": self.use_agc,
+            "clip_factor": self.clip_factor,
+            "eps": self.eps,
+            "partial_window": self.partial_window.value,
+            "accumulator_dtype": self.accumulator_dtype,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["optimizer"] = keras.saving.deserialize_keras_object(
+            config["optimizer"], custom_objects=custom_objects
+        )
+        return cls(**config)
+
+
+def find_accumulating_optimizer(optimizer):
+    """The GradientAccumulateOptimizer inside ``optimizer`` (e.g. under a LossScaleOptimizer)."""
+    while optimizer is not None:
+        if isinstance(optimizer, GradientAccumulateOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None

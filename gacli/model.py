@@ -1,0 +1,289 @@
+"""``GradientAccumulateModel``: a Keras 3 model whose ``fit`` accumulates gradients.
+
+``model.fit(x, y, batch_size=16)`` on a model with ``accum_steps=4`` trains on micro-batches of 16
+and updates the weights once per 64 samples, exactly as one batch of 64 would (including a short
+last micro-batch, which is weighted by its real size, and the short last window of an epoch, which
+is applied per ``partial_window`` before validation runs). The accumulators live in a
+:class:`~gacli.accumulation.GradientAccumulateOptimizer` that ``compile`` wraps around the optimizer
+you pass, so ``count_params()`` is unchanged and checkpoints carry the open window.
+"""
+
+import keras
+import tensorflow as tf
+from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.models.functional import Functional, functional_from_config
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from gacli.accumulation import (
+    GradientAccumulateOptimizer,
+    PartialWindow,
+    _parse_enum,
+    find_accumulating_optimizer,
+    validate_accum_steps,
+)
+
+_ACCUMULATION_DEFAULTS = {
+    "accum_steps": 1,
+    "use_agc": False,
+    "clip_factor": 0.01,
+    "eps": 1e-3,
+    "partial_window": "apply",
+    "accumulator_dtype": "float32",
+}
+
+
+class _WindowCallback(keras.callbacks.Callback):
+    """Closes each epoch's last window before validation and at the end of every epoch."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self._optimizer = optimizer
+        self._training = False
+
+    def on_train_begin(self, logs=None):
+        self._training = True
+
+    def on_train_end(self, logs=None):
+        self._training = False
+
+    def on_test_begin(self, logs=None):
+        # Keras runs validation between the last batch and on_epoch_end: the partial window must
+        # be applied first, as the big batch would have been.
+        if self._training:
+            self._optimizer.finish_epoch()
+
+    def on_epoch_end(self, epoch, logs=None):
+        last = epoch + 1 >= self.params.get("epochs", epoch + 1) or self.model.stop_training
+        self._optimizer.finish_epoch(last=last)
+
+
+class AccumulationMixin:
+    """``compile``/``train_step``/``fit`` of a Keras model that accumulates gradients."""
+
+    def _configure_accumulation(
+        self,
+        accum_steps=1,
+        mixed_precision=False,
+        use_agc=False,
+        clip_factor=0.01,
+        eps=1e-3,
+        experimental_distributed_support=False,
+        partial_window="apply",
+        accumulator_dtype="float32",
+    ):
+        # experimental_distributed_support is accepted for gradient-accumulator users; gacli
+        # always supports tf.distribute, so it changes nothing.
+        del experimental_distributed_support
+        if mixed_precision and keras.mixed_precision.global_policy().name != "mixed_float16":
+            raise ValueError(
+                "mixed_precision=True needs the mixed_float16 policy in Keras 3: call "
+                "keras.mixed_precision.set_global_policy('mixed_float16') before building the "
+                "model's layers; model.compile then adds loss scaling by itself."
+            )
+        self.accum_steps = validate_accum_steps(accum_steps)
+        self.use_agc = bool(use_agc)
+        self.clip_factor = float(clip_factor)
+        self.eps = float(eps)
+        self.partial_window = _parse_enum(PartialWindow, partial_window, "partial_window").value
+        self.accumulator_dtype = keras.backend.standardize_dtype(accumulator_dtype)
+
+    def _accumulation_config(self):
+        return {key: getattr(self, key) for key in _ACCUMULATION_DEFAULTS}
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        if isinstance(optimizer, str):
+            optimizer = optimizer.lower()
+        optimizer = keras.optimizers.get(optimizer)
+        if isinstance(optimizer, GradientAccumulateOptimizer):
+            if optimizer.accum_steps != self.accum_steps:
+                raise ValueError(
+                    f"The model has accum_steps={self.accum_steps} but its "
+                    f"GradientAccumulateOptimizer has accum_steps={optimizer.accum_steps}; pass "
+                    "the plain optimizer to compile and the model wraps it."
+                )
+        else:
+            optimizer = GradientAccumulateOptimizer(
+                optimizer,
+                accum_steps=self.accum_steps,
+                use_agc=self.use_agc,
+                clip_factor=self.clip_factor,
+                eps=self.eps,
+                partial_window=self.partial_window,
+                accumulator_dtype=self.accumulator_dtype,
+            )
+        super().compile(optimizer, *args, **kwargs)
+
+    def compile_from_config(self, config):
+        # Keras skips compile() on load when it is overridden; this one is safe to call.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    @property
+    def accumulating_optimizer(self):
+        return find_accumulating_optimizer(getattr(self, "optimizer", None))
+
+    @property
+    def micro_step(self):
+        """Micro-batches trained on (a variable, checkpointed with the optimizer)."""
+        return self.accumulating_optimizer.micro_step
+
+    @property
+    def optimizer_step(self):
+        """Optimizer updates applied (a variable, checkpointed with the optimizer)."""
+        return self.accumulating_optimizer.optimizer_step
+
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        sample_count = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        with tf.GradientTape() as tape:
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            # Keras divides the loss by the number of replicas; the accumulator instead divides
+            # by the window's global sample count, so it needs the per-replica mean loss.
+            loss = unscale_loss_for_distribution(
+                self._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                )
+            )
+            self._loss_tracker.update_state(loss, sample_weight=sample_count)
+            scaled_loss = self.optimizer.scale_loss(loss)
+        trainable_weights = self.trainable_weights
+        if trainable_weights:
+            gradients = tape.gradient(scaled_loss, trainable_weights)
+            accumulator = self.accumulating_optimizer
+            if accumulator is self.optimizer:
+                accumulator.apply(gradients, trainable_weights, sample_count=sample_count)
+            else:
+                # A LossScaleOptimizer around the accumulator unscales each micro-batch with its
+                # own scale and skips non-finite ones; it cannot forward the count, so it is
+                # handed over beside the call.
+                with accumulator.sample_count_scope(sample_count):
+                    self.optimizer.apply(gradients, trainable_weights)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            **kwargs):
+        if self.accumulating_optimizer is None:
+            raise RuntimeError("Call model.compile(optimizer=..., loss=...) before fit().")
+        callbacks = list(callbacks or [])
+        callbacks.insert(0, _WindowCallback(self.accumulating_optimizer))
+        return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                           callbacks=callbacks, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="gacli")
+class GradientAccumulateModel(AccumulationMixin, keras.Model):
+    """A functional Keras model that trains with gradient accumulation.
+
+    Args:
+        accum_steps: micro-batches per optimizer update; ``fit(batch_size=b)`` gives an effective
+            batch of ``b * accum_steps`` (times the number of replicas).
+        mixed_precision: compatibility with ``gradient-accumulator``; requires the
+            ``mixed_float16`` policy, under which ``compile`` adds loss scaling by itself.
+        use_agc: adaptive gradient clipping on the accumulated gradient.
+        clip_factor: AGC's maximum ratio of gradient norm to parameter norm.
+        eps: AGC's floor on the parameter norm.
+        experimental_distributed_support: accepted and ignored: distribution always works.
+        partial_window: ``"apply"`` (default), ``"drop"`` or ``"carry"``: the short last window
+            of an epoch.
+        accumulator_dtype: dtype of the gradient sums (float32 by default).
+        *args, **kwargs: ``inputs=...``, ``outputs=...``, ``name=...`` as for ``keras.Model``.
+
+    Example:
+        >>> model = GradientAccumulateModel(accum_steps=4, inputs=base.input, outputs=base.output)
+        >>> model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        >>> model.fit(x, y, batch_size=16)  # micro-batches of 16, one update per 64 samples
+    """
+
+    def __init__(
+        self,
+        accum_steps=1,
+        mixed_precision=False,
+        use_agc=False,
+        clip_factor=0.01,
+        eps=1e-3,
+        experimental_distributed_support=False,
+        partial_window="apply",
+        accumulator_dtype="float32",
+        *args,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self._configure_accumulation(
+            accum_steps, mixed_precision, use_agc, clip_factor, eps,
+            experimental_distributed_support, partial_window, accumulator_dtype,
+        )
+
+    def get_config(self):
+        if isinstance(self, Functional):
+            config = Functional.get_config(self)
+        else:
+            config = {"name": self.name, "trainable": self.trainable}
+        config.update(self._accumulation_config())
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        accumulation = {key: config.pop(key) for key in _ACCUMULATION_DEFAULTS if key in config}
+        model = functional_from_config(cls, config, custom_objects=custom_objects)
+        model._configure_accumulation(**accumulation)
+        return model
+
+
+@keras.saving.register_keras_serializable(package="gacli")
+class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
+    """Wraps a subclassed model (one without symbolic inputs/outputs) for accumulation."""
+
+    def __init__(self, model, accum_steps=1, partial_window="apply", accumulator_dtype="float32",
+                 use_agc=False, clip_factor=0.01, eps=1e-3, **kwargs):
+        super().__init__(**kwargs)
+        self.model = model
+        self._configure_accumulation(
+            accum_steps, use_agc=use_agc, clip_factor=clip_factor, eps=eps,
+            partial_window=partial_window, accumulator_dtype=accumulator_dtype,
+        )
+
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    def get_config(self):
+        config = {"name": self.name, "model": keras.saving.serialize_keras_object(self.model)}
+        config.update(self._accumulation_config())
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["model"] = keras.saving.deserialize_keras_object(
+            config["model"], custom_objects=custom_objects
+        )
+        return cls(**config)
+
+
+def wrap_model(model, accum_steps, **accumulation):
+    """Return a model that trains ``model``'s own layers and weights with accumulation.
+
+    Functional and built Sequential models are rewired into a :class:`GradientAccumulateModel` on
+    the same layers; a subclassed model is wrapped in an :class:`AccumulatingModelWrapper`. Either
+    way no weight is copied or re-initialised and ``count_params()`` is unchanged.
+
+    Example:
+        >>> model = wrap_model(keras.applications.ResNet50(weights=None), accum_steps=8)
+    """
+    if isinstance(model, AccumulationMixin):
+        raise ValueError("This model already accumulates gradients; set its accum_steps instead.")
+    try:
+        inputs, outputs = model.inputs, model.outputs
+    except (AttributeError, ValueError):
+        inputs = outputs = None
+    if inputs and outputs:
+        return GradientAccumulateModel(
+            accum_steps=accum_steps, inputs=inputs, outputs=outputs, name=model.name,
+            **accumulation,
+        )
+    return AccumulatingModelWrapper(model, accum_steps=accum_steps, **accumulation)

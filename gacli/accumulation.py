@@ -230,6 +230,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )
             for index, variable in enumerate(var_list)
         ]
+        self.built = True
 
     @property
     def variables(self):
@@ -262,6 +263,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
+        # Keras calls this once at the end of fit(): the last open window is applied (contract E4:
+        # never silently lost), before the inner optimizer's EMA overwrite.
+        self.finish_epoch(last=True)
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # -- the micro-step ---------------------------------------------------------------------------

@@ -169,6 +169,11 @@ class AccumulationMixin:
             **kwargs):
         if self.accumulating_optimizer is None:
             raise RuntimeError("Call model.compile(optimizer=..., loss=...) before fit().")
+        if self.built and not self.optimizer.built:
+            # Keras builds optimizers inside the first trace when no strategy is set, which makes
+            # tf.function trace twice (twice the XLA compile time); build the accumulators first.
+            with self.distribute_strategy.scope():
+                self.optimizer.build(self.trainable_variables)
         callbacks = list(callbacks or [])
         callbacks.insert(0, _WindowCallback(self.accumulating_optimizer))
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
@@ -243,6 +248,8 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
                  use_agc=False, clip_factor=0.01, eps=1e-3, **kwargs):
         super().__init__(**kwargs)
         self.model = model
+        # The wrapper owns no weights of its own: it is built when the wrapped model is.
+        self.built = model.built
         self._configure_accumulation(
             accum_steps, use_agc=use_agc, clip_factor=clip_factor, eps=eps,
             partial_window=partial_window, accumulator_dtype=accumulator_dtype,

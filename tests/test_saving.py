@@ -1,0 +1,95 @@
+"""Contract rows C4 and C5: wrapping adds no weights; saving keeps settings and the open window."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import make_data, max_weight_difference, plain_model
+from test_exactness import MICRO, K, accumulating_model
+
+import gacli
+
+
+@pytest.mark.parametrize("wrapper", ["model", "optimizer"])
+def test_c4_count_params_unchanged_and_save_load_keeps_settings(wrapper, tmp_path):
+    x, y = make_data(70)
+    model = accumulating_model(
+        lambda: keras.optimizers.Adam(0.01), wrapper, partial_window="drop",
+        accumulator_dtype="float64",
+    )
+    assert model.count_params() == plain_model().count_params()
+    model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+    assert model.count_params() == plain_model().count_params()
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    optimizer = loaded.optimizer
+    assert isinstance(optimizer, gacli.GradientAccumulateOptimizer)
+    assert optimizer.accum_steps == K
+    assert optimizer.partial_window.value == "drop"
+    assert optimizer.accumulator_dtype == "float64"
+    assert int(optimizer.micro_step.numpy()) == 5
+    assert isinstance(optimizer.inner_optimizer, keras.optimizers.Adam)
+    if wrapper == "model":
+        assert isinstance(loaded, gacli.GradientAccumulateModel)
+        assert (loaded.accum_steps, loaded.partial_window) == (K, "drop")
+    assert max_weight_difference(model, loaded) == 0.0
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+class SaveMidWindow(keras.callbacks.Callback):
+    """Saves the model after micro-batch 6 of the first epoch: half-way through window 2."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 5 and not self.path.exists():
+            self.model.save(self.path)
+
+
+@pytest.mark.parametrize("wrapper", ["model", "optimizer"])
+def test_c5_resume_mid_window_equals_uninterrupted(wrapper, tmp_path):
+    x, y = make_data(128)  # 8 micro-batches an epoch
+    path = tmp_path / "mid_window.keras"
+    make_optimizer = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    uninterrupted = accumulating_model(make_optimizer, wrapper)
+    uninterrupted.fit(
+        x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0, callbacks=[SaveMidWindow(path)]
+    )
+    resumed = keras.models.load_model(path)
+    accumulator = gacli.find_accumulating_optimizer(resumed.optimizer)
+    assert int(accumulator.window_micro_steps.numpy()) == 2  # the open window was saved
+    assert float(np.abs(accumulator._accumulators[0].numpy()).sum()) > 0
+    # The rest of epoch 1 (micro-batches 7 and 8), then epoch 2.
+    resumed.fit(x[96:], y[96:], batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+    resumed.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+    assert int(accumulator.micro_step.numpy()) == 16
+    assert int(accumulator.optimizer_step.numpy()) == 4
+    assert max_weight_difference(resumed, uninterrupted) <= 1e-6
+
+
+def test_c5_tf_train_checkpoint_carries_the_open_window(tmp_path):
+    """tf.train.Checkpoint (what ga-train writes) also holds accumulators and both counters."""
+    x, y = make_data(128)
+    model = accumulating_model(lambda: keras.optimizers.SGD(0.1), "model")
+    model.fit(x[:48], y[:48], batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+    # 3 micro-batches are not a full window, but the epoch ended: the window was applied.
+    optimizer = model.accumulating_optimizer
+    grads = [tf.ones_like(v) for v in model.trainable_variables]
+    optimizer.apply(grads, model.trainable_variables, sample_count=8)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    saved = checkpoint.write(str(tmp_path / "ckpt"))
+
+    other = accumulating_model(lambda: keras.optimizers.SGD(0.1), "model", seed=1)
+    other.optimizer.build(other.trainable_variables)
+    tf.train.Checkpoint(model=other, optimizer=other.optimizer).read(saved).assert_consumed()
+    restored = other.accumulating_optimizer
+    assert int(restored.micro_step.numpy()) == 4
+    assert int(restored.optimizer_step.numpy()) == 1
+    assert int(restored.window_micro_steps.numpy()) == 1
+    assert float(restored.window_weight.numpy()) == 8.0
+    for a, b in zip(restored._accumulators, optimizer._accumulators):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert max_weight_difference(model, other) == 0.0

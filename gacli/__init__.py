@@ -16,6 +16,9 @@ _LAZY = {
     "GradientAccumulateModel": "gacli.model",
     "wrap_model": "gacli.model",
     "adaptive_clip_gradients": "gacli.clipping",
+    "AccumBatchNormalization": "gacli.batchnorm",
+    "BatchNormPolicy": "gacli.batchnorm",
+    "apply_batchnorm_policy": "gacli.batchnorm",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

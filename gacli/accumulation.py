@@ -399,13 +399,23 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """Drop the gradients of the open window without updating."""
         self._run_window_function("discard")
 
-    def finish_epoch(self, last=False):
-        """Treat the open window per ``partial_window``; ``last=True`` at the end of training."""
+    def epoch_end_action(self, last=False):
+        """``"apply"``, ``"drop"`` or ``None``: what ``partial_window`` does to an open window at
+        an epoch end (``last=True``: the end of training, where a carried window is applied)."""
         if self.partial_window is PartialWindow.APPLY or (
             last and self.partial_window is PartialWindow.CARRY
         ):
+            return "apply"
+        if self.partial_window is PartialWindow.DROP:
+            return "drop"
+        return None
+
+    def finish_epoch(self, last=False):
+        """Treat the open window per ``partial_window``; ``last=True`` at the end of training."""
+        action = self.epoch_end_action(last)
+        if action == "apply":
             self.flush()
-        elif self.partial_window is PartialWindow.DROP:
+        elif action == "drop":
             self.discard_window()
 
     # -- serialisation ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from gacli.accumulation import (
     find_accumulating_optimizer,
     validate_accum_steps,
 )
+from gacli.batchnorm import accum_batchnorm_layers
 
 _ACCUMULATION_DEFAULTS = {
     "accum_steps": 1,
@@ -33,12 +34,21 @@ _ACCUMULATION_DEFAULTS = {
 
 
 class _WindowCallback(keras.callbacks.Callback):
-    """Closes each epoch's last window before validation and at the end of every epoch."""
+    """Closes each epoch's last window, in the optimizer and in AccumBatchNormalization layers,
+    before validation and at the end of every epoch."""
 
     def __init__(self, optimizer):
         super().__init__()
         self._optimizer = optimizer
         self._training = False
+
+    def _finish_epoch(self, last=False):
+        action = self._optimizer.epoch_end_action(last)
+        if action is None:
+            return
+        self._optimizer.finish_epoch(last)
+        for layer in accum_batchnorm_layers(self.model):
+            layer.finish_window(apply=action == "apply")
 
     def on_train_begin(self, logs=None):
         self._training = True
@@ -50,11 +60,11 @@ class _WindowCallback(keras.callbacks.Callback):
         # Keras runs validation between the last batch and on_epoch_end: the partial window must
         # be applied first, as the big batch would have been.
         if self._training:
-            self._optimizer.finish_epoch()
+            self._finish_epoch()
 
     def on_epoch_end(self, epoch, logs=None):
         last = epoch + 1 >= self.params.get("epochs", epoch + 1) or self.model.stop_training
-        self._optimizer.finish_epoch(last=last)
+        self._finish_epoch(last=last)
 
 
 class AccumulationMixin:
@@ -110,6 +120,16 @@ class AccumulationMixin:
                 eps=self.eps,
                 partial_window=self.partial_window,
                 accumulator_dtype=self.accumulator_dtype,
+            )
+        mismatched = [
+            layer.name for layer in accum_batchnorm_layers(self)
+            if layer.accum_steps != self.accum_steps
+        ]
+        if mismatched:
+            raise ValueError(
+                f"AccumBatchNormalization layers {mismatched} have a different accum_steps than "
+                f"the model ({self.accum_steps}); build them with accum_steps={self.accum_steps} "
+                "so their windows are the optimizer's windows."
             )
         super().compile(optimizer, *args, **kwargs)
 

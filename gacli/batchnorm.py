@@ -1,0 +1,254 @@
+"""Batch normalisation under gradient accumulation (contract rows B1, B2).
+
+A plain ``BatchNormalization`` layer updates its moving statistics on every micro-batch, so under
+accumulation they describe micro-batches, updated k times too often. ``AccumBatchNormalization``
+pools the statistics of all micro-batches of a window (Chan et al.'s parallel update, which keeps
+the between-micro-batch variance term) and updates the moving mean and variance once per window:
+after one window they equal one big-batch BN step. The forward pass still normalises each
+micro-batch by its own statistics; no layer can see the rest of the window before it arrives.
+"""
+
+import enum
+import warnings
+
+import keras
+from keras import ops
+
+
+class BatchNormPolicy(str, enum.Enum):
+    """What to do with the BatchNormalization layers of a model trained with accumulation."""
+
+    KEEP = "keep"  # plain Keras BN: statistics per micro-batch (warned once)
+    ACCUMULATE = "accumulate"  # AccumBatchNormalization: moving statistics per window
+    FREEZE = "freeze"  # BN in inference mode, statistics frozen (fine-tuning)
+    GROUP_NORM = "group_norm"  # GroupNormalization: no batch statistics at all
+
+
+@keras.saving.register_keras_serializable(package="gacli")
+class AccumBatchNormalization(keras.layers.BatchNormalization):
+    """``keras.layers.BatchNormalization`` whose moving statistics are updated once per window.
+
+    Args:
+        accum_steps: micro-batches per window; must match the model's ``accum_steps``.
+        **kwargs: every argument of ``keras.layers.BatchNormalization`` (``axis``, ``momentum``,
+            ``epsilon``, ``center``, ``scale``, initializers, regularizers, constraints,
+            ``synchronized``). ``renorm`` is not supported.
+
+    Example:
+        >>> x = AccumBatchNormalization(accum_steps=4)(keras.layers.Conv2D(16, 3)(inputs))
+    """
+
+    def __init__(self, accum_steps=1, **kwargs):
+        from gacli.accumulation import validate_accum_steps
+
+        if kwargs.get("renorm"):
+            raise ValueError(
+                "AccumBatchNormalization does not support renorm=True (batch renormalisation "
+                "corrects each micro-batch by its own statistics); use batchnorm policy 'keep' "
+                "with keras.layers.BatchNormalization(renorm=True), or 'group_norm'."
+            )
+        super().__init__(**kwargs)
+        self.accum_steps = validate_accum_steps(accum_steps)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        channels = (input_shape[self.axis],)
+
+        def state(name, shape, dtype="float32"):
+            return self.add_weight(
+                shape=shape, initializer="zeros", dtype=dtype, trainable=False, autocast=False,
+                name=name,
+            )
+
+        # Running pooled statistics of the open window: element count per channel, mean and sum
+        # of squared deviations (M2), and micro-batches seen.
+        self.window_count = state("window_count", ())
+        self.window_mean = state("window_mean", channels)
+        self.window_m2 = state("window_m2", channels)
+        self.window_position = state("window_position", (), "int64")
+
+    def _element_count(self, inputs, mask):
+        """Elements per channel that the micro-batch's moments were taken over."""
+        if mask is None:
+            shape = ops.shape(inputs)
+            count = 1.0
+            for axis in self._reduction_axes:
+                count = count * ops.cast(shape[axis], "float32")
+        else:
+            # Keras broadcasts a mask over the channel axis: every channel sees sum(mask).
+            count = ops.sum(ops.cast(mask, "float32"))
+        if self.synchronized:
+            import tensorflow as tf
+
+            count = count * tf.distribute.get_strategy().num_replicas_in_sync
+        return count
+
+    def call(self, inputs, training=None, mask=None):
+        if not (training and self.trainable):
+            return super().call(inputs, training=False, mask=mask)
+        compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
+        inputs = ops.cast(inputs, compute_dtype)
+        mean, variance = self._moments(inputs, mask)
+        mean = ops.cast(mean, "float32")
+        variance = ops.cast(variance, "float32")
+        self._pool(mean, variance, self._element_count(inputs, mask))
+        gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None
+        beta = ops.cast(self.beta, inputs.dtype) if self.center else None
+        outputs = ops.batch_normalization(
+            x=inputs, mean=ops.cast(mean, inputs.dtype), variance=ops.cast(variance, inputs.dtype),
+            axis=self.axis, offset=beta, scale=gamma, epsilon=self.epsilon,
+        )
+        return ops.cast(outputs, self.compute_dtype)
+
+    def _pool(self, mean, variance, count):
+        """Fold one micro-batch's moments into the window; update moving stats when it is full."""
+        previous_count = self.window_count
+        total = previous_count + count
+        delta = mean - self.window_mean
+        pooled_mean = self.window_mean + delta * (count / total)
+        pooled_m2 = (
+            self.window_m2 + variance * count + ops.square(delta) * (previous_count * count / total)
+        )
+        position = self.window_position + 1
+        self._close_window_if(position >= self.accum_steps, total, pooled_mean, pooled_m2, position)
+
+    def _close_window_if(self, close, total, pooled_mean, pooled_m2, position):
+        # ops.where, not a Python or graph branch: the same graph serves every micro-step (X2).
+        pooled_variance = pooled_m2 / ops.maximum(total, 1.0)
+        momentum = self.momentum
+        new_moving_mean = self.moving_mean * momentum + pooled_mean * (1.0 - momentum)
+        new_moving_variance = self.moving_variance * momentum + pooled_variance * (1.0 - momentum)
+        self.moving_mean.assign(ops.where(close, new_moving_mean, self.moving_mean))
+        self.moving_variance.assign(ops.where(close, new_moving_variance, self.moving_variance))
+        self.window_count.assign(ops.where(close, 0.0, total))
+        self.window_mean.assign(ops.where(close, ops.zeros_like(pooled_mean), pooled_mean))
+        self.window_m2.assign(ops.where(close, ops.zeros_like(pooled_m2), pooled_m2))
+        self.window_position.assign(ops.where(close, ops.zeros_like(position), position))
+
+    def finish_window(self, apply=True):
+        """Close an open (partial) window: update the moving statistics from it, or drop it."""
+        if not self.built:
+            return
+        close = self.window_count > 0 if apply else False
+        self._close_window_if(
+            close, self.window_count, self.window_mean, self.window_m2, self.window_position
+        )
+        if not apply:
+            self.window_count.assign(0.0)
+            self.window_mean.assign(ops.zeros_like(self.window_mean))
+            self.window_m2.assign(ops.zeros_like(self.window_m2))
+            self.window_position.assign(0)
+
+    def get_config(self):
+        config = super().get_config()
+        config["accum_steps"] = self.accum_steps
+        return config
+
+
+@keras.saving.register_keras_serializable(package="gacli")
+class BatchGroupNormalization(keras.layers.GroupNormalization):
+    """``GroupNormalization`` that accepts (and ignores) the ``mask`` a BN layer was called with,
+    so it can take a BN layer's place in an existing graph."""
+
+    def call(self, inputs, mask=None):
+        return super().call(inputs)
+
+
+def _batchnorm_layers(model):
+    return [
+        layer for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+
+
+def accum_batchnorm_layers(model):
+    """The AccumBatchNormalization layers inside ``model`` (nested models included)."""
+    return [layer for layer in _batchnorm_layers(model) if isinstance(layer, AccumBatchNormalization)]
+
+
+def _group_count(channels, groups):
+    groups = min(groups, channels)
+    while channels % groups:
+        groups -= 1
+    return groups
+
+
+def _swap_layer(layer, policy, accum_steps, groups):
+    if type(layer) is not keras.layers.BatchNormalization:
+        return layer  # every other layer is reused as is: same weights, nothing copied
+    config = layer.get_config()
+    if policy is BatchNormPolicy.ACCUMULATE:
+        new = AccumBatchNormalization.from_config({**config, "accum_steps": accum_steps})
+        new.build(layer.input.shape if hasattr(layer, "input") else None)
+        for name in ("gamma", "beta", "moving_mean", "moving_variance"):
+            if getattr(layer, name, None) is not None:
+                getattr(new, name).assign(getattr(layer, name))
+        return new
+    channels = layer.gamma.shape[0] if layer.scale else layer.moving_mean.shape[0]
+    new = BatchGroupNormalization(
+        groups=_group_count(channels, groups), axis=layer.axis, epsilon=layer.epsilon,
+        center=layer.center, scale=layer.scale, name=f"{layer.name}_group_norm",
+    )
+    new.build(layer.input.shape)
+    if layer.scale:
+        new.gamma.assign(layer.gamma)
+    if layer.center:
+        new.beta.assign(layer.beta)
+    return new
+
+
+_warned_keep = False
+
+
+def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32):
+    """Return ``model`` with its BatchNormalization layers handled per ``policy``.
+
+    ``accumulate`` swaps each BN layer for an :class:`AccumBatchNormalization` carrying over gamma,
+    beta, moving mean and moving variance, so a pretrained model's inference output is unchanged
+    (contract B2). ``group_norm`` swaps in ``GroupNormalization`` (gamma and beta carried over; its
+    output differs, it has no batch statistics). ``freeze`` puts BN layers in inference mode in
+    place; ``keep`` changes nothing and warns once. Every other layer is reused, not copied.
+
+    Args:
+        model: a functional or Sequential model (subclassed models cannot be rewired; build them
+            with ``AccumBatchNormalization`` directly).
+        policy: ``"keep"``, ``"accumulate"``, ``"freeze"`` or ``"group_norm"``.
+        accum_steps: the window length for ``accumulate``.
+        groups: the largest group count for ``group_norm`` (reduced to divide the channels).
+
+    Example:
+        >>> model = apply_batchnorm_policy(keras.applications.ResNet50(weights=None), "accumulate", 8)
+    """
+    global _warned_keep
+    from gacli.accumulation import _parse_enum
+
+    policy = _parse_enum(BatchNormPolicy, policy, "batchnorm")
+    layers = [layer for layer in _batchnorm_layers(model) if type(layer) is keras.layers.BatchNormalization]
+    if not layers:
+        return model
+    if policy is BatchNormPolicy.KEEP:
+        if accum_steps > 1 and not _warned_keep:
+            _warned_keep = True
+            warnings.warn(
+                f"{len(layers)} BatchNormalization layer(s) compute statistics per micro-batch, "
+                "not per window; use batchnorm policy 'accumulate' (AccumBatchNormalization) for "
+                "window statistics, or 'freeze' when fine-tuning.",
+                stacklevel=2,
+            )
+        return model
+    if policy is BatchNormPolicy.FREEZE:
+        for layer in layers:
+            layer.trainable = False
+        return model
+    from keras.src.models.functional import Functional
+
+    if not isinstance(model, (Functional, keras.Sequential)):
+        raise ValueError(
+            f"batchnorm={policy.value!r} rewires the model's graph, which a subclassed model does "
+            "not have; build it with gacli.AccumBatchNormalization (or GroupNormalization) "
+            "in place of BatchNormalization, or use batchnorm='freeze' or 'keep'."
+        )
+    return keras.models.clone_model(
+        model,
+        clone_function=lambda layer: _swap_layer(layer, policy, accum_steps, groups),
+    )

@@ -49,6 +49,13 @@ class PartialWindow(str, enum.Enum):
     CARRY = "carry"  # keep accumulating into the next epoch; applied at the end of training
 
 
+class NonFinite(str, enum.Enum):
+    """What a micro-batch with a non-finite (inf/nan) gradient does to its window (P2)."""
+
+    SKIP_MICRO_BATCH = "skip_micro_batch"  # drop that micro-batch; the window goes on
+    SKIP_WINDOW = "skip_window"  # drop the whole window, as DeepSpeed and Lightning do
+
+
 class Reduction(str, enum.Enum):
     """How the micro-batch gradients of a window are combined."""
 
@@ -108,6 +115,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             a window that is not full.
         accumulator_dtype: dtype of the gradient accumulators (default float32 whatever the
             compute dtype, contract P1).
+        loss_scaling: dynamic loss scaling for float16 (what Keras' ``LossScaleOptimizer`` does,
+            done here so that each micro-batch is unscaled with its own scale and overflowing
+            micro-batches follow ``nonfinite``). Compile with ``auto_scale_loss=False``.
+        initial_scale: the first loss scale.
+        dynamic_growth_steps: updates without overflow after which the scale doubles.
+        nonfinite: ``"skip_micro_batch"`` (default with loss scaling) or ``"skip_window"``;
+            ``None`` without loss scaling means no check. Skips are counted in
+            ``skipped_micro_batches`` and ``skipped_windows``.
         name: optimizer name.
         dtype: alias of ``accumulator_dtype`` kept for ``gradient-accumulator`` users.
 
@@ -129,6 +144,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         mixed_precision=False,
         partial_window="apply",
         accumulator_dtype="float32",
+        loss_scaling=False,
+        initial_scale=2.0**15,
+        dynamic_growth_steps=2000,
+        nonfinite=None,
         name="GradientAccumulateOptimizer",
         dtype=None,
         **kwargs,
@@ -175,6 +194,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.clip_factor = float(clip_factor)
         self.eps = float(eps)
         self.accumulator_dtype = keras.backend.standardize_dtype(dtype or accumulator_dtype)
+        self.loss_scaling = bool(loss_scaling)
+        self.initial_scale = float(initial_scale)
+        self.dynamic_growth_steps = int(dynamic_growth_steps)
+        if nonfinite is None and self.loss_scaling:
+            nonfinite = NonFinite.SKIP_MICRO_BATCH
+        self.nonfinite = None if nonfinite is None else _parse_enum(NonFinite, nonfinite, "nonfinite")
         # Indices (into the trainable variables) that received gradients in the traced apply();
         # a variable that never gets a gradient must not be "updated" with a zero gradient, which
         # would still move it under Adam or momentum.
@@ -195,11 +220,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self._scoped_counts.value = previous
 
     # -- state ------------------------------------------------------------------------------------
-    def _add_state(self, name, shape=(), dtype="float32", per_replica=False):
-        """An optimizer variable; ``per_replica`` ones hold a different value on each replica."""
+    def _add_state(self, name, shape=(), dtype="float32", per_replica=False, initial_value=0.0):
+        """An optimizer variable; ``per_replica`` ones hold a different value on each replica.
+
+        The initial value goes into the initializer, not an assign: Keras may build optimizers
+        inside a tf.function trace, where an assign would not run before the first step.
+        """
         with keras.name_scope(self.name, caller=self):
             variable = keras.Variable(
-                initializer=keras.initializers.Zeros(),
+                initializer=keras.initializers.Constant(initial_value),
                 shape=shape,
                 dtype=dtype,
                 trainable=False,
@@ -219,6 +248,17 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.window_micro_steps = self._add_state("window_micro_steps", dtype="int64")
         # Sum of the sample counts (or of the calls, when none is given) in the open window.
         self.window_weight = self._add_state("window_weight", per_replica=True)
+        if self.nonfinite is not None:
+            # Per replica: whether this replica's last micro-batch / open window had an overflow.
+            self.step_nonfinite = self._add_state("step_nonfinite", per_replica=True)
+            self.window_nonfinite = self._add_state("window_nonfinite", per_replica=True)
+            self.skipped_micro_batches = self._add_state(
+                "skipped_micro_batches", dtype="int64", per_replica=True
+            )
+            self.skipped_windows = self._add_state("skipped_windows", dtype="int64")
+        if self.loss_scaling:
+            self.loss_scale = self._add_state("loss_scale", initial_value=self.initial_scale)
+            self.growth_steps = self._add_state("growth_steps", dtype="int64")
         self._accumulators = [
             self._add_state(
                 f"{variable.path.replace('/', '_')}_accumulator"
@@ -260,6 +300,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.iterations
 
     def scale_loss(self, loss):
+        if self.loss_scaling:
+            scale = self.loss_scale if self.built else self.initial_scale
+            return loss * tf.cast(scale, loss.dtype)
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
@@ -304,7 +347,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         weight = tf.cast(sample_count, "float32") if weighted else tf.constant(1.0)
         if self.reduction is Reduction.SUM:
             weight = tf.constant(1.0)
-        indices = []
+        indices, pairs = [], []
         for gradient, variable in zip(grads, trainable_variables):
             if gradient is None:
                 continue
@@ -313,30 +356,88 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             accumulator = self._accumulators[index]
             # Sparse (IndexedSlices) gradients are densified here; contract row E5 is open.
             gradient = tf.cast(tf.convert_to_tensor(gradient), accumulator.dtype)
-            accumulator.assign_add(gradient * tf.cast(weight, accumulator.dtype))
+            if self.loss_scaling:
+                # Each micro-batch is unscaled with the scale it was computed with (P2).
+                gradient = gradient / tf.cast(self.loss_scale, accumulator.dtype)
+            pairs.append((accumulator, gradient))
         self._gradient_indices = tuple(sorted(indices))
         self._weighted = weighted
+        finite = None
+        if self.nonfinite is not None:
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for _, g in pairs])
+        for accumulator, gradient in pairs:
+            contribution = gradient * tf.cast(weight, accumulator.dtype)
+            if finite is not None:
+                # where, not multiplication: 0 * inf is nan.
+                contribution = tf.where(finite, contribution, tf.zeros_like(contribution))
+            accumulator.assign_add(contribution)
+        if finite is not None:
+            nonfinite = 1.0 - tf.cast(finite, "float32")
+            self.step_nonfinite.assign(nonfinite)
+            if self.nonfinite is NonFinite.SKIP_MICRO_BATCH:
+                weight = weight * (1.0 - nonfinite)
+                self.skipped_micro_batches.assign_add(tf.cast(nonfinite, "int64"))
+            else:
+                self.window_nonfinite.assign_add(nonfinite)
         self.window_weight.assign_add(weight)
         self.window_micro_steps.assign_add(1)
         self.micro_step.assign_add(1)
-        self._apply_window_if(self.window_micro_steps >= self.accum_steps)
+        self._apply_window_if(self.window_micro_steps >= self.accum_steps, micro_step=True)
 
     # -- the update -------------------------------------------------------------------------------
-    def _apply_window_if(self, should_apply):
-        """Apply the open window when ``should_apply``; a graph conditional, never Python."""
+    def _apply_window_if(self, window_closes, micro_step=False):
+        """Apply (or skip) the open window when ``window_closes``.
+
+        The decision is taken in cross-replica context: inside ``merge_call`` under a
+        tf.distribute strategy, directly otherwise. Both branches are graph conditionals whose
+        bodies enter replica context again through ``call_for_each_replica``, so the inner
+        optimizer's all-reduce never sits in a replica-context ``tf.cond`` (contract X2).
+        """
         if _in_distributed_replica_context():
 
-            def merge_fn(distribution, should_apply):
-                decision = distribution.experimental_local_results(should_apply)[0]
-                tf.cond(
-                    decision,
-                    lambda: distribution.extended.call_for_each_replica(self._apply_window),
-                    lambda: None,
+            def merge_fn(distribution, window_closes):
+                self._decide(
+                    distribution.experimental_local_results(window_closes)[0],
+                    distribution.extended.call_for_each_replica,
+                    micro_step,
                 )
 
-            tf.distribute.get_replica_context().merge_call(merge_fn, args=(should_apply,))
+            tf.distribute.get_replica_context().merge_call(merge_fn, args=(window_closes,))
         else:
-            tf.cond(should_apply, self._apply_window, lambda: None)
+            self._decide(window_closes, lambda fn: fn(), micro_step)
+
+    def _decide(self, closes, in_each_replica, micro_step):
+        """``closes`` is one boolean; ``in_each_replica(fn)`` runs fn in replica context."""
+        apply_now = closes
+        if self.nonfinite is not None:
+            if self.loss_scaling and micro_step:
+                # Per-replica flags summed on read: any replica's overflow halves everyone's scale.
+                overflow = tf.convert_to_tensor(self.step_nonfinite) > 0
+                self.loss_scale.assign(
+                    tf.where(overflow, tf.maximum(self.loss_scale / 2.0, 1.0), self.loss_scale)
+                )
+                self.growth_steps.assign(
+                    tf.where(overflow, tf.zeros_like(self.growth_steps), self.growth_steps)
+                )
+            healthy = tf.logical_and(
+                tf.convert_to_tensor(self.window_nonfinite) == 0,
+                tf.convert_to_tensor(self.window_weight) > 0,
+            )
+            apply_now = tf.logical_and(closes, healthy)
+            tf.cond(
+                tf.logical_and(closes, tf.logical_not(healthy)),
+                lambda: in_each_replica(self._skip_window),
+                lambda: None,
+            )
+        tf.cond(
+            apply_now,
+            lambda: in_each_replica(self._apply_window),
+            lambda: None,
+        )
+
+    def _skip_window(self):
+        self.skipped_windows.assign_add(1)
+        self._reset_window()
 
     def _apply_window(self):
         indices = self._gradient_indices or ()
@@ -360,6 +461,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
             grads = adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
         self.inner_optimizer.apply(grads, variables)
+        if self.loss_scaling:
+            # Grow the scale after dynamic_growth_steps updates without an overflow.
+            growth = self.growth_steps + 1
+            grow = growth >= self.dynamic_growth_steps
+            self.loss_scale.assign(tf.where(grow, self.loss_scale * 2.0, self.loss_scale))
+            self.growth_steps.assign(tf.where(grow, tf.zeros_like(growth), growth))
         self._reset_window()
 
     def _reset_window(self):
@@ -367,6 +474,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
         self.window_weight.assign(0.0)
         self.window_micro_steps.assign(0)
+        if self.nonfinite is not None:
+            self.window_nonfinite.assign(0.0)
 
     # -- windows that are not full ----------------------------------------------------------------
     def _run_window_function(self, kind):
@@ -430,6 +539,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             "eps": self.eps,
             "partial_window": self.partial_window.value,
             "accumulator_dtype": self.accumulator_dtype,
+            "loss_scaling": self.loss_scaling,
+            "initial_scale": self.initial_scale,
+            "dynamic_growth_steps": self.dynamic_growth_steps,
+            "nonfinite": None if self.nonfinite is None else self.nonfinite.value,
         }
 
     @classmethod

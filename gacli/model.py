@@ -8,6 +8,8 @@ is applied per ``partial_window`` before validation runs). The accumulators live
 you pass, so ``count_params()`` is unchanged and checkpoints carry the open window.
 """
 
+import enum
+
 import keras
 import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
@@ -16,6 +18,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from gacli.accumulation import (
     GradientAccumulateOptimizer,
+    NonFinite,
     PartialWindow,
     _parse_enum,
     find_accumulating_optimizer,
@@ -30,7 +33,34 @@ _ACCUMULATION_DEFAULTS = {
     "eps": 1e-3,
     "partial_window": "apply",
     "accumulator_dtype": "float32",
+    "nonfinite": None,
+    "loss_normalization": "batch",
 }
+
+
+class LossNormalization(str, enum.Enum):
+    """What a window's loss is divided by (contract E3)."""
+
+    BATCH = "batch"  # Keras' own semantics: the samples of the window
+    WINDOW_WEIGHTS = "window_weights"  # the total sample weight (e.g. unmasked tokens) of the window
+
+
+def _window_weighted_loss(loss):
+    """``loss`` with Keras' ``mean_with_sample_weight`` reduction: sum(l * w) / sum(w)."""
+    if loss is None:
+        return None
+    if isinstance(loss, dict):
+        return {key: _window_weighted_loss(value) for key, value in loss.items()}
+    if isinstance(loss, (list, tuple)):
+        return type(loss)(_window_weighted_loss(value) for value in loss)
+    loss = keras.losses.get(loss)
+    if isinstance(loss, keras.losses.Loss):
+        config = loss.get_config()
+        config["reduction"] = "mean_with_sample_weight"
+        return loss.__class__.from_config(config)
+    return keras.losses.LossFunctionWrapper(
+        loss, reduction="mean_with_sample_weight", name=getattr(loss, "__name__", None)
+    )
 
 
 class _WindowCallback(keras.callbacks.Callback):
@@ -80,6 +110,8 @@ class AccumulationMixin:
         experimental_distributed_support=False,
         partial_window="apply",
         accumulator_dtype="float32",
+        nonfinite=None,
+        loss_normalization="batch",
     ):
         # experimental_distributed_support is accepted for gradient-accumulator users; gacli
         # always supports tf.distribute, so it changes nothing.
@@ -96,11 +128,17 @@ class AccumulationMixin:
         self.eps = float(eps)
         self.partial_window = _parse_enum(PartialWindow, partial_window, "partial_window").value
         self.accumulator_dtype = keras.backend.standardize_dtype(accumulator_dtype)
+        self.nonfinite = (
+            None if nonfinite is None else _parse_enum(NonFinite, nonfinite, "nonfinite").value
+        )
+        self.loss_normalization = _parse_enum(
+            LossNormalization, loss_normalization, "loss_normalization"
+        ).value
 
     def _accumulation_config(self):
         return {key: getattr(self, key) for key in _ACCUMULATION_DEFAULTS}
 
-    def compile(self, optimizer="rmsprop", *args, **kwargs):
+    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
         if isinstance(optimizer, str):
             optimizer = optimizer.lower()
         optimizer = keras.optimizers.get(optimizer)
@@ -120,7 +158,15 @@ class AccumulationMixin:
                 eps=self.eps,
                 partial_window=self.partial_window,
                 accumulator_dtype=self.accumulator_dtype,
+                # Under mixed_float16 the accumulator scales the loss itself (P2), so that each
+                # micro-batch is unscaled with its own scale and overflows follow `nonfinite`.
+                loss_scaling=self.dtype_policy.name == "mixed_float16",
+                nonfinite=self.nonfinite,
             )
+        if optimizer.loss_scaling:
+            kwargs["auto_scale_loss"] = False
+        if self.loss_normalization == LossNormalization.WINDOW_WEIGHTS.value:
+            loss = _window_weighted_loss(loss)
         mismatched = [
             layer.name for layer in accum_batchnorm_layers(self)
             if layer.accum_steps != self.accum_steps
@@ -131,7 +177,7 @@ class AccumulationMixin:
                 f"the model ({self.accum_steps}); build them with accum_steps={self.accum_steps} "
                 "so their windows are the optimizer's windows."
             )
-        super().compile(optimizer, *args, **kwargs)
+        super().compile(optimizer, loss, *args, **kwargs)
 
     def compile_from_config(self, config):
         # Keras skips compile() on load when it is overridden; this one is safe to call.
@@ -156,7 +202,18 @@ class AccumulationMixin:
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        sample_count = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        sample_count = batch_size
+        if self.loss_normalization == LossNormalization.WINDOW_WEIGHTS.value:
+            if sample_weight is None:
+                raise ValueError(
+                    "loss_normalization='window_weights' divides the window's loss by its total "
+                    "sample weight, but fit() got none: pass sample_weight= (e.g. the token "
+                    "mask), or use loss_normalization='batch'."
+                )
+            sample_count = tf.add_n(
+                [tf.reduce_sum(tf.cast(w, "float32")) for w in tf.nest.flatten(sample_weight)]
+            )
         with tf.GradientTape() as tape:
             if self._call_has_training_arg:
                 y_pred = self(x, training=True)
@@ -216,6 +273,10 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
         partial_window: ``"apply"`` (default), ``"drop"`` or ``"carry"``: the short last window
             of an epoch.
         accumulator_dtype: dtype of the gradient sums (float32 by default).
+        nonfinite: ``"skip_micro_batch"`` or ``"skip_window"``: what an inf/nan micro-batch
+            gradient does (default under mixed_float16: skip_micro_batch; otherwise unchecked).
+        loss_normalization: ``"batch"`` (Keras' semantics) or ``"window_weights"``: divide by the
+            window's total sample weight, e.g. its unmasked tokens, over all replicas.
         *args, **kwargs: ``inputs=...``, ``outputs=...``, ``name=...`` as for ``keras.Model``.
 
     Example:
@@ -234,13 +295,16 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
         experimental_distributed_support=False,
         partial_window="apply",
         accumulator_dtype="float32",
+        nonfinite=None,
+        loss_normalization="batch",
         *args,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
         self._configure_accumulation(
             accum_steps, mixed_precision, use_agc, clip_factor, eps,
-            experimental_distributed_support, partial_window, accumulator_dtype,
+            experimental_distributed_support, partial_window, accumulator_dtype, nonfinite,
+            loss_normalization,
         )
 
     def get_config(self):
@@ -265,7 +329,8 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
     """Wraps a subclassed model (one without symbolic inputs/outputs) for accumulation."""
 
     def __init__(self, model, accum_steps=1, partial_window="apply", accumulator_dtype="float32",
-                 use_agc=False, clip_factor=0.01, eps=1e-3, **kwargs):
+                 use_agc=False, clip_factor=0.01, eps=1e-3, nonfinite=None,
+                 loss_normalization="batch", **kwargs):
         super().__init__(**kwargs)
         self.model = model
         # The wrapper owns no weights of its own: it is built when the wrapped model is.
@@ -273,6 +338,7 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
         self._configure_accumulation(
             accum_steps, use_agc=use_agc, clip_factor=clip_factor, eps=eps,
             partial_window=partial_window, accumulator_dtype=accumulator_dtype,
+            nonfinite=nonfinite, loss_normalization=loss_normalization,
         )
 
     def call(self, inputs, training=None):

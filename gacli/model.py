@@ -240,7 +240,21 @@ class AccumulationMixin:
                 # handed over beside the call.
                 with accumulator.sample_count_scope(sample_count):
                     self.optimizer.apply(gradients, trainable_weights)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return {**logs, **self._accumulation_logs()}
+
+    def _accumulation_logs(self):
+        """Loss scale and skip counts, when in use, beside the loss in fit()'s logs."""
+        accumulator = self.accumulating_optimizer
+        logs = {}
+        if accumulator.nonfinite is not None:
+            logs["skipped_micro_batches"] = tf.convert_to_tensor(
+                accumulator.skipped_micro_batches
+            )
+            logs["skipped_windows"] = tf.convert_to_tensor(accumulator.skipped_windows)
+        if accumulator.loss_scaling:
+            logs["loss_scale"] = tf.convert_to_tensor(accumulator.loss_scale)
+        return logs
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             **kwargs):

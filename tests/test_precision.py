@@ -75,8 +75,13 @@ def test_p2_nonfinite_micro_batch_policies(policy_name, wrapper):
     else:
         model = plain_model()
     model.compile(optimizer=optimizer, loss="mse", auto_scale_loss=False)
-    model.fit(x_bad, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    history = model.fit(x_bad, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history
     assert max_weight_difference(model, reference) <= 1e-5
+    if wrapper == "model":  # the counts are in fit()'s logs, for progress bars and TensorBoard
+        assert history["loss_scale"] == [2.0**14]
+        counter = {"skip_micro_batch": "skipped_micro_batches",
+                   "skip_window": "skipped_windows"}[policy_name]
+        assert history[counter] == [1]
     assert float(optimizer.loss_scale.numpy()) == 2.0**14  # halved once, at the overflow
     if policy_name == "skip_micro_batch":
         assert int(optimizer.skipped_micro_batches.numpy()) == 1

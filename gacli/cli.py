@@ -1,0 +1,160 @@
+"""``ga-train``: compose a config with Hydra, validate it, call :func:`gacli.train.train`.
+
+``config=`` picks the primary config: a shipped recipe (``config=unet.yaml``) or a path to your own
+YAML file; every other argument is a Hydra override (``accum_steps=8``, ``-m accum_steps=1,2,4``).
+TensorFlow is imported only once a config has composed and validated, so ``--help`` and config
+errors answer at once.
+"""
+
+import os
+import sys
+from importlib import resources
+
+from gacli.config import ConfigError
+
+_RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
+_SWEEP_DIR = "multirun/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
+
+_HELP = """ga-train: train a Keras model with exact gradient accumulation.
+
+  ga-train                                     the default job (MLP on digits)
+  ga-train config=unet.yaml accum_steps=8      a shipped recipe, with an override
+  ga-train config=my_run.yaml                  your own YAML (start it with defaults: [/train, _self_])
+  ga-train effective_batch_size=256 micro_batch_size=16     any two of the three batch keys
+  ga-train -m accum_steps=1,2,4,8              a sweep (Hydra multirun)
+
+Shipped recipes: {recipes}
+Config groups: model={models}  dataset={datasets}
+  optimizer={optimizers}  precision={precisions}  strategy={strategies}
+
+Every key can be overridden as key=value; --cfg job prints the composed config. The README has
+the full reference. Hydra's own options follow.
+"""
+
+
+def _names(package, group=None, suffix=".yaml"):
+    root = resources.files(package)
+    folder = root / group if group else root
+    return sorted(
+        entry.name[: -len(suffix)] for entry in folder.iterdir() if entry.name.endswith(suffix)
+    )
+
+
+def _error(message):
+    print(f"ga-train: {message}", file=sys.stderr)
+    return 2
+
+
+def locate_config(value):
+    """(config_path for hydra.main, config_name, label) for a ``config=`` value."""
+    if value is None:
+        return "pkg://gacli.configs", "train", "default"
+    name = value[:-5] if value.endswith(".yaml") else value[:-4] if value.endswith(".yml") else value
+    if os.path.sep not in value and name in _names("gacli.recipes"):
+        return "pkg://gacli.recipes", name, name
+    if os.path.isfile(value):
+        path = os.path.abspath(value)
+        stem = os.path.splitext(os.path.basename(path))[0]
+        return os.path.dirname(path), os.path.basename(path), stem
+    raise ConfigError(
+        f"config={value} is neither a shipped recipe nor a YAML file that exists. Shipped "
+        f"recipes: {', '.join(r + '.yaml' for r in _names('gacli.recipes'))}; or give the path to "
+        "your own file, e.g. config=./my_run.yaml."
+    )
+
+
+def _split_config_argument(argv):
+    config, rest = None, []
+    for argument in argv:
+        if argument.startswith("config="):
+            if "," in argument:
+                raise ConfigError(
+                    f"{argument}: config= takes one recipe or file; sweep over other keys "
+                    "(e.g. -m accum_steps=1,2,4) and run each recipe on its own."
+                )
+            config = argument.split("=", 1)[1]
+        else:
+            rest.append(argument)
+    return config, rest
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config, overrides = _split_config_argument(argv)
+        config_path, config_name, label = locate_config(config)
+    except ConfigError as error:
+        return _exit(_error(error))
+    if any(flag in overrides for flag in ("--help", "-h")):
+        print(_HELP.format(
+            recipes=", ".join(r + ".yaml" for r in _names("gacli.recipes")),
+            **{plural: ", ".join(_names("gacli.configs", group)) for group, plural in
+               (("model", "models"), ("dataset", "datasets"), ("optimizer", "optimizers"),
+                ("precision", "precisions"), ("strategy", "strategies"))},
+        ))
+        return 0
+
+    import hydra
+
+    from gacli.config import register_configs
+
+    register_configs()
+    extra = [f"config={label}", "hydra.searchpath=[pkg://gacli.configs]"]
+    if not any(o.startswith("hydra.run.dir=") for o in overrides):
+        extra.append(f"hydra.run.dir={_RUN_DIR}")
+    if not any(o.startswith("hydra.sweep.dir=") for o in overrides):
+        extra.append(f"hydra.sweep.dir={_SWEEP_DIR}")
+    if not any(o.startswith("hydra.sweep.subdir=") for o in overrides):
+        # One directory per job named by its overrides: a sweep opens in TensorBoard as a
+        # comparison of, e.g., accum_steps=1 ... accum_steps=8.
+        extra += ["hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}",
+                  "hydra.job.config.override_dirname.exclude_keys=[config]"]
+    # Hydra's parser wants its options (-m, --cfg job, ...) before the key=value overrides.
+    options = [a for a in overrides if a.startswith("-") or "=" not in a]
+    assignments = [a for a in overrides if a not in options]
+    sys.argv = [sys.argv[0] if sys.argv else "ga-train"] + options + assignments + extra
+    hydra.main(version_base="1.3", config_path=config_path, config_name=config_name)(_task)()
+    return 0
+
+
+def _exit(code):
+    if code:
+        sys.exit(code)
+    return code
+
+
+def _task(cfg):
+    """One job: validate, train, return the metric a sweeper would minimise."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_config = HydraConfig.get()
+    given = {
+        override.split("=", 1)[0].lstrip("+~")
+        for override in hydra_config.overrides.task
+        if "=" in override
+    }
+    try:
+        from gacli.config import validate
+
+        validate(cfg, given)
+        from gacli.train import train
+
+        metrics = train(cfg, run_dir=hydra_config.runtime.output_dir, given=given,
+                        parallel_jobs=_parallel_jobs(hydra_config))
+    except ConfigError as error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        sys.exit(_error(error))
+    return metrics.get("val_loss", metrics.get("loss"))
+
+
+def _parallel_jobs(hydra_config):
+    """Whether jobs of this multirun may share the terminal (no live progress bar then)."""
+    from hydra.types import RunMode
+
+    launcher = str(hydra_config.launcher.get("_target_", ""))
+    return hydra_config.mode == RunMode.MULTIRUN and "BasicLauncher" not in launcher
+
+
+if __name__ == "__main__":
+    sys.exit(main())

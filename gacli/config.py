@@ -1,0 +1,325 @@
+"""The typed configuration of ``ga-train`` and its one validation function.
+
+Dataclasses registered in Hydra's ConfigStore carry the types (OmegaConf rejects a wrong type or an
+unknown key at composition); YAML files under ``configs/`` and ``recipes/`` carry the values.
+Cross-field rules (the batch arithmetic above all) live in :func:`resolve`, called once at start-up.
+Nothing here imports TensorFlow: a config error must answer in well under two seconds.
+"""
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+# Enum members are lower case because OmegaConf matches a YAML/command-line string to a member by
+# its name: optimizer.name=adam must find OptimizerName.adam.
+
+
+class ConfigError(ValueError):
+    """A configuration the user can fix; its message says what to type."""
+
+
+class Wrapper(str, enum.Enum):
+    auto = "auto"
+    model = "model"
+    optimizer = "optimizer"
+
+
+class OptimizerName(str, enum.Enum):
+    sgd = "sgd"
+    momentum = "momentum"
+    adam = "adam"
+    adamw = "adamw"
+    rmsprop = "rmsprop"
+
+
+class Schedule(str, enum.Enum):
+    constant = "constant"
+    cosine = "cosine"
+    exponential = "exponential"
+
+
+class LRScaling(str, enum.Enum):
+    none = "none"
+    linear = "linear"  # lr * effective_batch_size / base_batch_size (Goyal et al. 2017)
+    sqrt = "sqrt"  # lr * sqrt(effective_batch_size / base_batch_size)
+
+
+class Policy(str, enum.Enum):
+    fp32 = "fp32"
+    mixed_float16 = "mixed_float16"
+    mixed_bfloat16 = "mixed_bfloat16"
+
+
+class StrategyName(str, enum.Enum):
+    default = "default"
+    one_device = "one_device"
+    mirrored = "mirrored"
+    multi_worker = "multi_worker"
+    tpu = "tpu"
+
+
+class PartialWindowName(str, enum.Enum):
+    apply = "apply"
+    drop = "drop"
+    carry = "carry"
+
+
+class NonFiniteName(str, enum.Enum):
+    skip_micro_batch = "skip_micro_batch"
+    skip_window = "skip_window"
+
+
+class LossNormalizationName(str, enum.Enum):
+    batch = "batch"
+    window_weights = "window_weights"
+
+
+class BatchNormName(str, enum.Enum):
+    keep = "keep"
+    accumulate = "accumulate"
+    freeze = "freeze"
+    group_norm = "group_norm"
+
+
+class Progress(str, enum.Enum):
+    auto = "auto"  # a rich progress bar on a terminal, plain lines otherwise
+    rich = "rich"
+    plain = "plain"
+    none = "none"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"  # a registered model, or a keras.applications name (e.g. ResNet50)
+    factory: Optional[str] = None  # "package.module:function" returning a keras.Model
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the factory / application
+    hidden_units: List[int] = field(default_factory=lambda: [64, 64])  # mlp
+    filters: List[int] = field(default_factory=lambda: [16, 32])  # cnn
+    depth: int = 3  # unet levels; resnet stages
+    base_filters: int = 16  # unet and resnet width
+    dropout: float = 0.0
+
+
+@dataclass
+class DatasetConfig:
+    name: str = "digits"  # shapes | digits | npz | image_folder | tfrecord
+    path: Optional[str] = None  # file or directory for npz, image_folder, tfrecord
+    num_samples: int = 256  # shapes
+    image_size: int = 32  # shapes; image_folder resize
+    channels: int = 1  # shapes; image_folder (1 or 3)
+    num_classes: int = 0  # 0: inferred from the data
+    validation_split: float = 0.1
+    shuffle: bool = True
+    x_key: str = "x"  # npz
+    y_key: str = "y"  # npz
+    features: Dict[str, Any] = field(default_factory=dict)  # tfrecord: name -> {shape, dtype}
+    input_key: str = "image"  # tfrecord feature used as input
+    label_key: str = "label"  # tfrecord feature used as target
+
+
+@dataclass
+class OptimizerConfig:
+    name: OptimizerName = OptimizerName.adam
+    learning_rate: float = 1e-3
+    momentum: float = 0.9  # momentum (and rmsprop's momentum when > 0 there)
+    weight_decay: float = 0.0  # adamw (decoupled); other optimizers: Keras' weight_decay
+    clipnorm: Optional[float] = None
+    global_clipnorm: Optional[float] = None
+    use_agc: bool = False
+    clip_factor: float = 0.01
+    use_ema: bool = False
+    schedule: Schedule = Schedule.constant
+    warmup_updates: int = 0  # linear warm-up, in optimizer updates
+    decay_rate: float = 0.5  # exponential: factor per decay_updates
+    decay_updates: int = 100  # exponential: updates per decay_rate; cosine: 0 = whole run
+    lr_scaling: LRScaling = LRScaling.none
+    base_batch_size: int = 256  # the batch size learning_rate was tuned for (lr_scaling)
+
+
+@dataclass
+class PrecisionConfig:
+    policy: Policy = Policy.fp32
+    nonfinite: Optional[NonFiniteName] = None  # default skip_micro_batch under mixed_float16
+
+
+@dataclass
+class StrategyConfig:
+    name: StrategyName = StrategyName.default
+    logical_cpus: int = 0  # mirrored on a CPU machine: split the CPU into N logical devices
+    devices: List[str] = field(default_factory=list)  # mirrored / one_device: explicit devices
+    tpu: str = ""  # tpu: the TPU address ("" = local / from the environment)
+
+
+@dataclass
+class TrainConfig:
+    config: str = "default"  # the recipe or YAML file this run was composed from
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    micro_batch_size: Optional[int] = None  # samples per forward/backward pass, per replica
+    accum_steps: Optional[int] = None  # micro-batches per optimizer update
+    effective_batch_size: Optional[int] = None  # micro x accum x replicas
+    wrapper: Wrapper = Wrapper.auto
+    partial_window: PartialWindowName = PartialWindowName.apply
+    loss_normalization: LossNormalizationName = LossNormalizationName.batch
+    batchnorm: BatchNormName = BatchNormName.keep
+    epochs: int = 1
+    steps_per_epoch: Optional[int] = None  # optimizer updates per epoch (None: one data pass)
+    seed: int = 0
+    jit_compile: bool = False
+    checkpoint: bool = True
+    resume: bool = False
+    progress: Progress = Progress.auto
+    output_dir: str = MISSING  # set from the Hydra run directory
+
+
+def register_configs():
+    """Register the schema so that YAML files are validated against it."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="gacli_schema", node=TrainConfig)
+    store.store(group="model", name="gacli_schema", node=ModelConfig)
+    store.store(group="dataset", name="gacli_schema", node=DatasetConfig)
+    store.store(group="optimizer", name="gacli_schema", node=OptimizerConfig)
+    store.store(group="precision", name="gacli_schema", node=PrecisionConfig)
+    store.store(group="strategy", name="gacli_schema", node=StrategyConfig)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The batch arithmetic of a run, derived once and printed at start."""
+
+    micro_batch_size: int
+    accum_steps: int
+    replicas: int
+
+    @property
+    def effective_batch_size(self):
+        return self.micro_batch_size * self.accum_steps * self.replicas
+
+    @property
+    def global_micro_batch_size(self):
+        """Samples in one step over all replicas: what tf.data batches by."""
+        return self.micro_batch_size * self.replicas
+
+
+_BATCH_KEYS = ("micro_batch_size", "accum_steps", "effective_batch_size")
+
+
+def resolve_batch(micro_batch_size, accum_steps, effective_batch_size, replicas, given=()):
+    """Any two of micro batch, accumulation steps and effective batch determine the third.
+
+    Args:
+        micro_batch_size, accum_steps, effective_batch_size: the configured values (None: unset).
+        replicas: replicas in sync (devices x workers).
+        given: the keys set on the command line; they win over values from config files, so
+            ``effective_batch_size=256 micro_batch_size=16`` works whatever a recipe says.
+
+    Returns:
+        A :class:`BatchPlan`.
+    """
+    values = dict(zip(_BATCH_KEYS, (micro_batch_size, accum_steps, effective_batch_size)))
+    for key, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(
+                f"{key}={value} must be a whole number >= 1, e.g. {key}="
+                f"{ {'micro_batch_size': 16, 'accum_steps': 4, 'effective_batch_size': 64}[key] }."
+            )
+    given = [key for key in _BATCH_KEYS if key in given and values[key] is not None]
+    if len(given) == 3:
+        kept = list(_BATCH_KEYS)
+    else:
+        # Command-line keys first; then the micro-batch (it is what fits in memory), then accum.
+        kept = given + [k for k in _BATCH_KEYS if k not in given and values[k] is not None]
+        kept = kept[:2]
+    micro = values["micro_batch_size"] if "micro_batch_size" in kept else None
+    accum = values["accum_steps"] if "accum_steps" in kept else None
+    effective = values["effective_batch_size"] if "effective_batch_size" in kept else None
+    if micro is None and accum is None and effective is None:
+        micro, accum = 32, 1
+    if micro is not None and accum is not None:
+        plan = BatchPlan(micro, accum, replicas)
+        if effective is not None and effective != plan.effective_batch_size:
+            raise ConfigError(
+                f"effective_batch_size={effective} does not equal micro_batch_size x accum_steps x "
+                f"replicas = {micro} x {accum} x {replicas} = {plan.effective_batch_size}; set "
+                "two of the three (the third is derived), e.g. "
+                f"effective_batch_size={plan.effective_batch_size}."
+            )
+        return plan
+    if effective is None:
+        return BatchPlan(micro if micro is not None else 32, accum if accum is not None else 1,
+                         replicas)
+    if micro is not None:
+        per_update = micro * replicas
+        if effective % per_update:
+            lower = max(per_update, effective // per_update * per_update)
+            raise ConfigError(
+                f"effective_batch_size={effective} is not a multiple of micro_batch_size x "
+                f"replicas = {micro} x {replicas} = {per_update}; use e.g. "
+                f"effective_batch_size={lower} or {lower + per_update}, or another "
+                "micro_batch_size."
+            )
+        return BatchPlan(micro, effective // per_update, replicas)
+    per_micro = accum * replicas
+    if effective % per_micro:
+        raise ConfigError(
+            f"effective_batch_size={effective} is not a multiple of accum_steps x replicas = "
+            f"{accum} x {replicas} = {per_micro}; set micro_batch_size instead, e.g. "
+            f"micro_batch_size={max(1, effective // per_micro)}."
+        )
+    return BatchPlan(effective // per_micro, accum, replicas)
+
+
+def expected_replicas(strategy):
+    """Replicas a strategy config will have, where that is known without TensorFlow, else None."""
+    if strategy.name in (StrategyName.default, StrategyName.one_device):
+        return 1
+    if strategy.name == StrategyName.mirrored and strategy.devices:
+        return len(strategy.devices)
+    if strategy.name == StrategyName.mirrored and strategy.logical_cpus:
+        return strategy.logical_cpus
+    return None
+
+
+def validate(cfg, given=()):
+    """Cross-field checks that need no TensorFlow; raises ConfigError saying what to type."""
+    replicas = expected_replicas(cfg.strategy)
+    resolve_batch(cfg.micro_batch_size, cfg.accum_steps, cfg.effective_batch_size,
+                  replicas or 1, given)
+    if cfg.epochs < 1:
+        raise ConfigError(f"epochs={cfg.epochs} must be >= 1, e.g. epochs=3.")
+    if cfg.steps_per_epoch is not None and cfg.steps_per_epoch < 1:
+        raise ConfigError(
+            f"steps_per_epoch={cfg.steps_per_epoch} must be >= 1 (optimizer updates per epoch), "
+            "or null for one pass over the data."
+        )
+    if not 0.0 <= cfg.dataset.validation_split < 1.0:
+        raise ConfigError(
+            f"dataset.validation_split={cfg.dataset.validation_split} must be in [0, 1), "
+            "e.g. dataset.validation_split=0.1."
+        )
+    if cfg.optimizer.learning_rate <= 0:
+        raise ConfigError(
+            f"optimizer.learning_rate={cfg.optimizer.learning_rate} must be > 0, "
+            "e.g. optimizer.learning_rate=0.001."
+        )
+    if cfg.strategy.logical_cpus < 0:
+        raise ConfigError("strategy.logical_cpus must be >= 0 (0: use the devices as they are).")
+    if cfg.loss_normalization == LossNormalizationName.window_weights:
+        raise ConfigError(
+            "loss_normalization=window_weights needs per-sample weights, which no shipped "
+            "dataset provides yet; use it from the library (gacli.GradientAccumulateModel("
+            "loss_normalization='window_weights') with fit(sample_weight=...))."
+        )
+    if cfg.model.factory is not None and ":" not in cfg.model.factory:
+        raise ConfigError(
+            f"model.factory={cfg.model.factory} must be 'package.module:function', e.g. "
+            "model.factory=mypkg.models:build_model."
+        )

@@ -1,0 +1,124 @@
+"""What ``ga-train`` shows on the terminal: a start-up panel, progress, a summary table.
+
+On a terminal a rich progress bar shows updates and micro-batches, loss, samples/s and the ETA; when
+output is not a terminal, or jobs of a multirun share it, the same facts come as plain lines.
+"""
+
+import sys
+import time
+
+import keras
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from gacli.config import Progress as ProgressMode
+
+
+def make_console():
+    return Console(file=sys.stdout, highlight=False)
+
+
+def startup_panel(console, cfg, plan, facts):
+    """The resolved batch arithmetic and the run's choices, before training starts."""
+    lines = [
+        f"effective batch  {plan.effective_batch_size} = micro_batch_size {plan.micro_batch_size}"
+        f" x accum_steps {plan.accum_steps} x replicas {plan.replicas}",
+    ]
+    lines += [f"{key:<16} {value}" for key, value in facts.items()]
+    console.print(Panel("\n".join(lines), title=f"ga-train: {cfg.config}", expand=False))
+
+
+def summary_table(console, rows):
+    table = Table(title="summary", show_header=False)
+    for key, value in rows.items():
+        table.add_row(key, str(value))
+    console.print(table)
+
+
+def _format_logs(logs):
+    return "  ".join(
+        f"{key} {float(value):.4g}" for key, value in (logs or {}).items()
+        if key in ("loss", "accuracy", "iou", "val_loss", "val_accuracy", "val_iou")
+    )
+
+
+class ProgressCallback(keras.callbacks.Callback):
+    """Progress by optimizer update and micro-batch, as a rich bar or as plain lines."""
+
+    def __init__(self, console, mode, plan, accumulator, updates_per_epoch, epochs,
+                 parallel_jobs=False):
+        super().__init__()
+        self.console = console
+        self.plan = plan
+        self.accumulator = accumulator
+        self.updates_per_epoch = updates_per_epoch
+        self.epochs = epochs
+        if mode == ProgressMode.auto:
+            mode = ProgressMode.rich if console.is_terminal and not parallel_jobs else (
+                ProgressMode.plain
+            )
+        self.mode = mode
+        self._progress = None
+        self._task = None
+        self._start = None
+        self._samples = 0
+        self._last_line = 0.0
+
+    def on_train_begin(self, logs=None):
+        self._start = time.perf_counter()
+        if self.mode == ProgressMode.rich:
+            self._progress = Progress(
+                TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("updates  micro {task.fields[micro]}"),
+                TextColumn("{task.fields[metrics]}"), TextColumn("{task.fields[speed]}"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(
+                "train", total=self.updates_per_epoch * self.epochs, epoch=1, micro=0,
+                metrics="", speed="",
+            )
+
+    def _speed(self):
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        return self._samples / elapsed
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._samples += self.plan.global_micro_batch_size * self.model.steps_per_execution
+        if self.mode == ProgressMode.rich:
+            self._progress.update(
+                self._task, completed=int(self.accumulator.optimizer_step.numpy()),
+                micro=int(self.accumulator.micro_step.numpy()), metrics=_format_logs(logs),
+                speed=f"{self._speed():.0f} samples/s",
+            )
+        elif self.mode == ProgressMode.plain and time.perf_counter() - self._last_line > 10:
+            self._last_line = time.perf_counter()
+            self._line(logs)
+
+    def _line(self, logs, prefix=""):
+        self.console.print(
+            f"{prefix}update {int(self.accumulator.optimizer_step.numpy())}"
+            f"/{self.updates_per_epoch * self.epochs}  micro-batch "
+            f"{int(self.accumulator.micro_step.numpy())}  {_format_logs(logs)}  "
+            f"{self._speed():.0f} samples/s"
+        )
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.mode == ProgressMode.rich:
+            self._progress.update(self._task, epoch=min(epoch + 2, self.epochs))
+            self._progress.console.print(f"epoch {epoch + 1}/{self.epochs}  {_format_logs(logs)}")
+        elif self.mode == ProgressMode.plain:
+            self._line(logs, prefix=f"epoch {epoch + 1}/{self.epochs}  ")
+
+    def on_train_end(self, logs=None):
+        if self._progress is not None:
+            self._progress.stop()

@@ -1,0 +1,75 @@
+"""tf.distribute strategies for ``ga-train``: default, one_device, mirrored, multi_worker, tpu."""
+
+import json
+import os
+
+import tensorflow as tf
+
+from gacli.config import ConfigError, StrategyName
+
+
+def _split_cpu(count):
+    """Split the first CPU into ``count`` logical devices (must happen before TF uses devices)."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current and len(current) == count:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
+        )
+    except RuntimeError:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have < count:
+            raise ConfigError(
+                f"strategy.logical_cpus={count}: TensorFlow was already initialised in this "
+                f"process with {have} CPU device(s) (e.g. an earlier job of a multirun); run "
+                "this setting in its own process."
+            ) from None
+
+
+def make_strategy(cfg):
+    """The ``tf.distribute.Strategy`` named by ``cfg`` (a StrategyConfig)."""
+    if cfg.logical_cpus:
+        _split_cpu(cfg.logical_cpus)
+    if cfg.name == StrategyName.default:
+        return tf.distribute.get_strategy()
+    if cfg.name == StrategyName.one_device:
+        device = cfg.devices[0] if cfg.devices else (
+            "/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0"
+        )
+        return tf.distribute.OneDeviceStrategy(device)
+    if cfg.name == StrategyName.mirrored:
+        devices = list(cfg.devices) or None
+        if devices is None and cfg.logical_cpus and not tf.config.list_logical_devices("GPU"):
+            devices = [device.name for device in tf.config.list_logical_devices("CPU")]
+        return tf.distribute.MirroredStrategy(devices)
+    if cfg.name == StrategyName.multi_worker:
+        config = os.environ.get("TF_CONFIG")
+        if not config:
+            raise ConfigError(
+                "strategy=multi_worker reads the cluster from the TF_CONFIG environment variable, "
+                "which is not set; e.g. TF_CONFIG='{\"cluster\": {\"worker\": [\"host1:12345\", "
+                "\"host2:12345\"]}, \"task\": {\"type\": \"worker\", \"index\": 0}}' (the README "
+                "shows Kubernetes and SLURM)."
+            )
+        try:
+            json.loads(config)
+        except ValueError:
+            raise ConfigError(f"TF_CONFIG is not valid JSON: {config!r}.") from None
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    # TPU: the resolver finds the TPU from strategy.tpu or the environment (e.g. TPU_NAME).
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=cfg.tpu or None)
+    tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def is_chief():
+    """Whether this process writes logs and checkpoints (worker 0 of a multi-worker cluster)."""
+    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    task = config.get("task", {})
+    return task.get("type", "chief") == "chief" or (
+        task.get("type") == "worker" and task.get("index", 0) == 0
+        and "chief" not in config.get("cluster", {})
+    )

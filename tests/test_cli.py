@@ -1,0 +1,181 @@
+"""ga-train as a user runs it: the installed console script in a subprocess."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from importlib import resources
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util.tensor_util import make_ndarray
+
+TRAIN_TAGS = {
+    "batch/effective_size", "batch/micro_size", "batch/accum_steps", "batch/replicas",
+    "train/loss", "optimizer/lr", "optimizer/step", "optimizer/micro_step",
+    "throughput/samples_per_sec", "memory/host_rss_bytes", "memory/host_peak_rss_bytes",
+}
+
+
+def ga_train(*arguments, cwd, timeout=600, env=None):
+    """Run the installed ga-train; returns (exit code, stdout + stderr)."""
+    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *arguments]
+    environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    environment.update(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                            env=environment)
+    return result.returncode, result.stdout + result.stderr
+
+
+def event_tags(run_dir):
+    files = glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))
+    assert len(files) == 1, files
+    events = EventAccumulator(files[0])
+    events.Reload()
+    return set(events.Tags()["tensors"]), events
+
+
+def scalars(events, tag):
+    return [float(make_ndarray(event.tensor_proto)) for event in events.Tensors(tag)]
+
+
+def run_dir_of(output):
+    lines = [line for line in output.splitlines() if line.startswith("run directory: ")]
+    assert len(lines) == 2 and lines[0] == lines[1], output  # printed first and last
+    return lines[0].split(": ", 1)[1]
+
+
+def shipped(package, group=None):
+    folder = resources.files(package) / group if group else resources.files(package)
+    return sorted(entry.name[:-5] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+
+
+COMPOSE_CASES = (
+    [("config=" + name + ".yaml",) for name in shipped("gacli.recipes")]
+    + [(f"{group}={name}",) for group in ("model", "dataset", "optimizer", "precision", "strategy")
+       for name in shipped("gacli.configs", group)]
+)
+
+
+@pytest.mark.parametrize("arguments", COMPOSE_CASES, ids=[c[0] for c in COMPOSE_CASES])
+def test_every_shipped_config_and_recipe_composes(arguments, tmp_path):
+    code, output = ga_train("--cfg", "job", *arguments, cwd=tmp_path)
+    assert code == 0, output
+    assert "micro_batch_size:" in output and "Traceback" not in output
+
+
+def test_unet_recipe_runs_and_logs_every_tag(tmp_path):
+    code, output = ga_train(
+        "config=unet.yaml", "accum_steps=8", "epochs=2", "dataset.num_samples=72",
+        "dataset.image_size=16", "model.depth=2", cwd=tmp_path,
+    )
+    assert code == 0, output
+    run_dir = run_dir_of(output)
+    assert run_dir.startswith(str(tmp_path / "outputs" / "unet"))
+    assert "effective batch  64 = micro_batch_size 8 x accum_steps 8 x replicas 1" in output
+    tags, events = event_tags(run_dir)
+    assert TRAIN_TAGS | {"train/iou", "val/loss", "val/iou"} <= tags
+    assert not {tag for tag in tags if tag.startswith("memory/device")}  # the CPU reports none
+    accum = scalars(events, "batch/accum_steps")
+    steps = [e.step for e in events.Tensors("optimizer/step")]
+    # 63 train samples = 8 micro-batches of 8: one update an epoch, logged at steps 1 and 2.
+    assert accum == [8.0, 8.0] and steps == [1, 2]
+    result = json.loads(open(os.path.join(run_dir, "result.json")).read())
+    assert (result["optimizer_step"], result["micro_step"]) == (2, 16)
+    resolved = open(os.path.join(run_dir, "resolved.yaml")).read()
+    assert "effective_batch_size: 64" in resolved
+    assert os.path.exists(os.path.join(run_dir, "model.keras"))
+
+
+def test_batch_arithmetic_from_the_command_line_wins_over_the_recipe(tmp_path):
+    code, output = ga_train(
+        "config=unet.yaml", "effective_batch_size=32", "micro_batch_size=4", "epochs=1",
+        "steps_per_epoch=1", "dataset.num_samples=40", "dataset.image_size=16", "model.depth=2",
+        cwd=tmp_path,
+    )
+    assert code == 0, output
+    assert "effective batch  32 = micro_batch_size 4 x accum_steps 8 x replicas 1" in output
+
+
+@pytest.mark.slow
+def test_multirun_sweep_gives_one_tensorboard_run_per_job(tmp_path):
+    code, output = ga_train("-m", "accum_steps=1,2", "epochs=1", "steps_per_epoch=2",
+                            cwd=tmp_path)
+    assert code == 0, output
+    jobs = sorted(glob.glob(str(tmp_path / "multirun" / "default" / "*" / "*_accum_steps=*")))
+    assert [os.path.basename(job) for job in jobs] == [
+        "0_accum_steps=1,epochs=1,steps_per_epoch=2", "1_accum_steps=2,epochs=1,steps_per_epoch=2"
+    ]
+    for job, accum_steps in zip(jobs, (1, 2)):
+        tags, events = event_tags(job)
+        assert TRAIN_TAGS <= tags
+        micro = scalars(events, "optimizer/micro_step")
+        assert micro == [accum_steps * update for update in (1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_mirrored_recipe_runs_on_two_logical_cpus(tmp_path):
+    code, output = ga_train("config=digits_resnet_mirrored.yaml", "epochs=1",
+                            "steps_per_epoch=2", "model.depth=2", cwd=tmp_path)
+    assert code == 0, output
+    assert "x replicas 2" in output and "mirrored (2 replicas)" in output
+
+
+@pytest.mark.parametrize("name", ["digits_cnn"])
+def test_small_recipes_run(name, tmp_path):
+    code, output = ga_train(f"config={name}.yaml", "epochs=1", "steps_per_epoch=2", cwd=tmp_path)
+    assert code == 0, output
+
+
+BAD_INPUT = [
+    (["acum_steps=4"], "Could not override 'acum_steps'"),
+    (["accum_steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
+    (["accum_steps=0"], "ga-train: accum_steps=0 must be a whole number >= 1"),
+    (["effective_batch_size=100", "micro_batch_size=16"],
+     "ga-train: effective_batch_size=100 is not a multiple of micro_batch_size x replicas"),
+    (["config=nope.yaml"], "ga-train: config=nope.yaml is neither a shipped recipe"),
+    (["optimizer.name=adamm"], "Invalid value 'adamm'"),
+    (["model.name=transformer"], "ga-train: model.name=transformer is not a known model"),
+    (["dataset=npz", "dataset.path=/nonexistent/train.npz"],
+     "ga-train: dataset.path=/nonexistent/train.npz does not exist"),
+    (["config=unet.yaml", "dataset.image_size=20"],
+     "ga-train: model=unet with model.depth=3 halves the image 3 times"),
+    (["model=unet"], "ga-train: model=unet segments images"),
+]
+
+
+@pytest.mark.parametrize("arguments, first_line", BAD_INPUT, ids=[a[0][-1] for a in BAD_INPUT])
+def test_bad_input_gives_one_clear_message_and_no_traceback(arguments, first_line, tmp_path):
+    code, output = ga_train(*arguments, cwd=tmp_path)
+    assert code != 0
+    assert "Traceback" not in output
+    assert first_line in output, output
+
+
+@pytest.mark.parametrize("arguments", [["--help"], ["accum_steps=0"], ["acum_steps=1"]])
+def test_help_and_config_errors_answer_without_tensorflow(arguments, tmp_path):
+    start = time.perf_counter()
+    code, output = ga_train(*arguments, cwd=tmp_path)
+    elapsed = time.perf_counter() - start
+    assert (code == 0) == (arguments == ["--help"])
+    # Not a timing test of speed but of what is imported: TensorFlow alone takes several seconds.
+    assert elapsed < 2.0, f"{arguments} took {elapsed:.1f} s"
+
+
+def test_full_error_with_hydra_full_error(tmp_path):
+    code, output = ga_train("accum_steps=0", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert code != 0 and "accum_steps=0 must be" in output
+    assert "Traceback" in output  # the full story, for whoever asked for it
+
+
+def test_a_finished_run_directory_is_never_overwritten(tmp_path):
+    arguments = ("epochs=1", "steps_per_epoch=1", "hydra.run.dir=fixed")
+    code, output = ga_train(*arguments, cwd=tmp_path)
+    assert code == 0, output
+    before = open(tmp_path / "fixed" / "result.json").read()
+    code, output = ga_train(*arguments, cwd=tmp_path)
+    assert code != 0 and "holds a finished run, which is never overwritten" in output
+    assert open(tmp_path / "fixed" / "result.json").read() == before

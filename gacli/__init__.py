@@ -11,13 +11,15 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "GradientAccumulateOptimizer": "gacli.accumulation",
-    "PartialWindow": "gacli.accumulation",
+    "PartialWindow": "gacli.options",
+    "NonFinite": "gacli.options",
+    "LossNormalization": "gacli.options",
     "find_accumulating_optimizer": "gacli.accumulation",
     "GradientAccumulateModel": "gacli.accumulate_model",
     "wrap_model": "gacli.accumulate_model",
     "adaptive_clip_gradients": "gacli.clipping",
     "AccumBatchNormalization": "gacli.batchnorm",
-    "BatchNormPolicy": "gacli.batchnorm",
+    "BatchNormPolicy": "gacli.options",
     "apply_batchnorm_policy": "gacli.batchnorm",
 }
 

@@ -8,8 +8,6 @@ is applied per ``partial_window`` before validation runs). The accumulators live
 you pass, so ``count_params()`` is unchanged and checkpoints carry the open window.
 """
 
-import enum
-
 import keras
 import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
@@ -18,13 +16,11 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from gacli.accumulation import (
     GradientAccumulateOptimizer,
-    NonFinite,
-    PartialWindow,
-    _parse_enum,
     find_accumulating_optimizer,
     validate_accum_steps,
 )
 from gacli.batchnorm import accum_batchnorm_layers
+from gacli.options import LossNormalization, NonFinite, PartialWindow, parse_option
 
 _ACCUMULATION_DEFAULTS = {
     "accum_steps": 1,
@@ -36,13 +32,6 @@ _ACCUMULATION_DEFAULTS = {
     "nonfinite": None,
     "loss_normalization": "batch",
 }
-
-
-class LossNormalization(str, enum.Enum):
-    """What a window's loss is divided by (contract E3)."""
-
-    BATCH = "batch"  # Keras' own semantics: the samples of the window
-    WINDOW_WEIGHTS = "window_weights"  # the total sample weight (e.g. unmasked tokens) of the window
 
 
 def _window_weighted_loss(loss):
@@ -126,12 +115,12 @@ class AccumulationMixin:
         self.use_agc = bool(use_agc)
         self.clip_factor = float(clip_factor)
         self.eps = float(eps)
-        self.partial_window = _parse_enum(PartialWindow, partial_window, "partial_window").value
+        self.partial_window = parse_option(PartialWindow, partial_window, "partial_window").value
         self.accumulator_dtype = keras.backend.standardize_dtype(accumulator_dtype)
         self.nonfinite = (
-            None if nonfinite is None else _parse_enum(NonFinite, nonfinite, "nonfinite").value
+            None if nonfinite is None else parse_option(NonFinite, nonfinite, "nonfinite").value
         )
-        self.loss_normalization = _parse_enum(
+        self.loss_normalization = parse_option(
             LossNormalization, loss_normalization, "loss_normalization"
         ).value
 
@@ -165,7 +154,7 @@ class AccumulationMixin:
             )
         if optimizer.loss_scaling:
             kwargs["auto_scale_loss"] = False
-        if self.loss_normalization == LossNormalization.WINDOW_WEIGHTS.value:
+        if self.loss_normalization == LossNormalization.window_weights.value:
             loss = _window_weighted_loss(loss)
         mismatched = [
             layer.name for layer in accum_batchnorm_layers(self)
@@ -204,7 +193,7 @@ class AccumulationMixin:
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
         sample_count = batch_size
-        if self.loss_normalization == LossNormalization.WINDOW_WEIGHTS.value:
+        if self.loss_normalization == LossNormalization.window_weights.value:
             if sample_weight is None:
                 raise ValueError(
                     "loss_normalization='window_weights' divides the window's loss by its total "

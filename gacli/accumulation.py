@@ -18,12 +18,13 @@ replica-context ``tf.cond`` around a synchronisation: that shape is what makes K
 """
 
 import contextlib
-import enum
 import numbers
 import threading
 
 import keras
 import tensorflow as tf
+
+from gacli.options import NonFinite, PartialWindow, Reduction, parse_option
 
 # Arguments of keras.optimizers.Optimizer that belong to the inner optimizer: they act once per
 # update, which is the inner optimizer's business.
@@ -39,39 +40,6 @@ _INNER_ONLY_ARGUMENTS = (
     "loss_scale_factor",
     "gradient_accumulation_steps",
 )
-
-
-class PartialWindow(str, enum.Enum):
-    """What happens to a window that holds fewer than ``accum_steps`` micro-batches at epoch end."""
-
-    APPLY = "apply"  # apply it, normalised by the samples it really holds
-    DROP = "drop"  # discard its gradients
-    CARRY = "carry"  # keep accumulating into the next epoch; applied at the end of training
-
-
-class NonFinite(str, enum.Enum):
-    """What a micro-batch with a non-finite (inf/nan) gradient does to its window (P2)."""
-
-    SKIP_MICRO_BATCH = "skip_micro_batch"  # drop that micro-batch; the window goes on
-    SKIP_WINDOW = "skip_window"  # drop the whole window, as DeepSpeed and Lightning do
-
-
-class Reduction(str, enum.Enum):
-    """How the micro-batch gradients of a window are combined."""
-
-    MEAN = "mean"  # weighted mean: one big batch over the same samples
-    SUM = "sum"  # plain sum of the micro-batch gradients (the older package's "SUM")
-
-
-def _parse_enum(enum_type, value, argument):
-    try:
-        return enum_type(str(getattr(value, "value", value)).lower())
-    except ValueError:
-        choices = ", ".join(repr(member.value) for member in enum_type)
-        raise ValueError(
-            f"{argument}={value!r} is not one of {choices}; pass one of those, "
-            f"e.g. {argument}={next(iter(enum_type)).value!r}."
-        ) from None
 
 
 def validate_accum_steps(accum_steps):
@@ -188,8 +156,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )
         self.inner_optimizer = inner
         self.accum_steps = validate_accum_steps(accum_steps)
-        self.reduction = _parse_enum(Reduction, reduction, "reduction")
-        self.partial_window = _parse_enum(PartialWindow, partial_window, "partial_window")
+        self.reduction = parse_option(Reduction, reduction, "reduction")
+        self.partial_window = parse_option(PartialWindow, partial_window, "partial_window")
         self.use_agc = bool(use_agc)
         self.clip_factor = float(clip_factor)
         self.eps = float(eps)
@@ -198,8 +166,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.initial_scale = float(initial_scale)
         self.dynamic_growth_steps = int(dynamic_growth_steps)
         if nonfinite is None and self.loss_scaling:
-            nonfinite = NonFinite.SKIP_MICRO_BATCH
-        self.nonfinite = None if nonfinite is None else _parse_enum(NonFinite, nonfinite, "nonfinite")
+            nonfinite = NonFinite.skip_micro_batch
+        self.nonfinite = None if nonfinite is None else parse_option(NonFinite, nonfinite, "nonfinite")
         # Indices (into the trainable variables) that received gradients in the traced apply();
         # a variable that never gets a gradient must not be "updated" with a zero gradient, which
         # would still move it under Adam or momentum.
@@ -345,7 +313,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             sample_count = getattr(self._scoped_counts, "value", None)
         weighted = sample_count is not None
         weight = tf.cast(sample_count, "float32") if weighted else tf.constant(1.0)
-        if self.reduction is Reduction.SUM:
+        if self.reduction is Reduction.sum:
             weight = tf.constant(1.0)
         indices, pairs = [], []
         for gradient, variable in zip(grads, trainable_variables):
@@ -374,7 +342,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if finite is not None:
             nonfinite = 1.0 - tf.cast(finite, "float32")
             self.step_nonfinite.assign(nonfinite)
-            if self.nonfinite is NonFinite.SKIP_MICRO_BATCH:
+            if self.nonfinite is NonFinite.skip_micro_batch:
                 weight = weight * (1.0 - nonfinite)
                 self.skipped_micro_batches.assign_add(tf.cast(nonfinite, "int64"))
             else:
@@ -443,7 +411,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         indices = self._gradient_indices or ()
         variables = [self._trainable_variables[index] for index in indices]
         accumulators = [self._accumulators[index] for index in indices]
-        if self.reduction is Reduction.SUM:
+        if self.reduction is Reduction.sum:
             denominator = tf.constant(1.0)
         else:
             denominator = tf.convert_to_tensor(self.window_weight)
@@ -511,11 +479,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def epoch_end_action(self, last=False):
         """``"apply"``, ``"drop"`` or ``None``: what ``partial_window`` does to an open window at
         an epoch end (``last=True``: the end of training, where a carried window is applied)."""
-        if self.partial_window is PartialWindow.APPLY or (
-            last and self.partial_window is PartialWindow.CARRY
+        if self.partial_window is PartialWindow.apply or (
+            last and self.partial_window is PartialWindow.carry
         ):
             return "apply"
-        if self.partial_window is PartialWindow.DROP:
+        if self.partial_window is PartialWindow.drop:
             return "drop"
         return None
 

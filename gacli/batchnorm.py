@@ -8,20 +8,12 @@ after one window they equal one big-batch BN step. The forward pass still normal
 micro-batch by its own statistics; no layer can see the rest of the window before it arrives.
 """
 
-import enum
 import warnings
 
 import keras
 from keras import ops
 
-
-class BatchNormPolicy(str, enum.Enum):
-    """What to do with the BatchNormalization layers of a model trained with accumulation."""
-
-    KEEP = "keep"  # plain Keras BN: statistics per micro-batch (warned once)
-    ACCUMULATE = "accumulate"  # AccumBatchNormalization: moving statistics per window
-    FREEZE = "freeze"  # BN in inference mode, statistics frozen (fine-tuning)
-    GROUP_NORM = "group_norm"  # GroupNormalization: no batch statistics at all
+from gacli.options import BatchNormPolicy, parse_option
 
 
 @keras.saving.register_keras_serializable(package="gacli")
@@ -177,7 +169,7 @@ def _swap_layer(layer, policy, accum_steps, groups):
     if type(layer) is not keras.layers.BatchNormalization:
         return layer  # every other layer is reused as is: same weights, nothing copied
     config = layer.get_config()
-    if policy is BatchNormPolicy.ACCUMULATE:
+    if policy is BatchNormPolicy.accumulate:
         new = AccumBatchNormalization.from_config({**config, "accum_steps": accum_steps})
         new.build(layer.input.shape if hasattr(layer, "input") else None)
         for name in ("gamma", "beta", "moving_mean", "moving_variance"):
@@ -220,13 +212,11 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32)
         >>> model = apply_batchnorm_policy(keras.applications.ResNet50(weights=None), "accumulate", 8)
     """
     global _warned_keep
-    from gacli.accumulation import _parse_enum
-
-    policy = _parse_enum(BatchNormPolicy, policy, "batchnorm")
+    policy = parse_option(BatchNormPolicy, policy, "batchnorm")
     layers = [layer for layer in _batchnorm_layers(model) if type(layer) is keras.layers.BatchNormalization]
     if not layers:
         return model
-    if policy is BatchNormPolicy.KEEP:
+    if policy is BatchNormPolicy.keep:
         if accum_steps > 1 and not _warned_keep:
             _warned_keep = True
             warnings.warn(
@@ -236,7 +226,7 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32)
                 stacklevel=2,
             )
         return model
-    if policy is BatchNormPolicy.FREEZE:
+    if policy is BatchNormPolicy.freeze:
         for layer in layers:
             layer.trainable = False
         return model

@@ -12,9 +12,11 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from gacli.options import BatchNormPolicy, LossNormalization, NonFinite, PartialWindow
+
 
 # Enum members are lower case because OmegaConf matches a YAML/command-line string to a member by
-# its name: optimizer.name=adam must find OptimizerName.adam.
+# its name: optimizer.name=adam must find OptimizerName.adam (see gacli.options).
 
 
 class ConfigError(ValueError):
@@ -59,29 +61,6 @@ class StrategyName(str, enum.Enum):
     mirrored = "mirrored"
     multi_worker = "multi_worker"
     tpu = "tpu"
-
-
-class PartialWindowName(str, enum.Enum):
-    apply = "apply"
-    drop = "drop"
-    carry = "carry"
-
-
-class NonFiniteName(str, enum.Enum):
-    skip_micro_batch = "skip_micro_batch"
-    skip_window = "skip_window"
-
-
-class LossNormalizationName(str, enum.Enum):
-    batch = "batch"
-    window_weights = "window_weights"
-
-
-class BatchNormName(str, enum.Enum):
-    keep = "keep"
-    accumulate = "accumulate"
-    freeze = "freeze"
-    group_norm = "group_norm"
 
 
 class Progress(str, enum.Enum):
@@ -134,7 +113,8 @@ class OptimizerConfig:
     schedule: Schedule = Schedule.constant
     warmup_updates: int = 0  # linear warm-up, in optimizer updates
     decay_rate: float = 0.5  # exponential: factor per decay_updates
-    decay_updates: int = 100  # exponential: updates per decay_rate; cosine: 0 = whole run
+    decay_updates: int = 0  # cosine: updates to decay over; exponential: updates per decay_rate;
+    # 0 = the whole run after warm-up
     lr_scaling: LRScaling = LRScaling.none
     base_batch_size: int = 256  # the batch size learning_rate was tuned for (lr_scaling)
 
@@ -142,7 +122,7 @@ class OptimizerConfig:
 @dataclass
 class PrecisionConfig:
     policy: Policy = Policy.fp32
-    nonfinite: Optional[NonFiniteName] = None  # default skip_micro_batch under mixed_float16
+    nonfinite: Optional[NonFinite] = None  # default skip_micro_batch under mixed_float16
 
 
 @dataclass
@@ -165,15 +145,14 @@ class TrainConfig:
     accum_steps: Optional[int] = None  # micro-batches per optimizer update
     effective_batch_size: Optional[int] = None  # micro x accum x replicas
     wrapper: Wrapper = Wrapper.auto
-    partial_window: PartialWindowName = PartialWindowName.apply
-    loss_normalization: LossNormalizationName = LossNormalizationName.batch
-    batchnorm: BatchNormName = BatchNormName.keep
+    partial_window: PartialWindow = PartialWindow.apply
+    loss_normalization: LossNormalization = LossNormalization.batch
+    batchnorm: BatchNormPolicy = BatchNormPolicy.keep
     epochs: int = 1
     steps_per_epoch: Optional[int] = None  # optimizer updates per epoch (None: one data pass)
     seed: int = 0
     jit_compile: bool = False
-    checkpoint: bool = True
-    resume: bool = False
+    checkpoint: bool = True  # a checkpoint per epoch in <run dir>/checkpoints, the model at the end
     progress: Progress = Progress.auto
     output_dir: str = MISSING  # set from the Hydra run directory
 
@@ -312,7 +291,7 @@ def validate(cfg, given=()):
         )
     if cfg.strategy.logical_cpus < 0:
         raise ConfigError("strategy.logical_cpus must be >= 0 (0: use the devices as they are).")
-    if cfg.loss_normalization == LossNormalizationName.window_weights:
+    if cfg.loss_normalization == LossNormalization.window_weights:
         raise ConfigError(
             "loss_normalization=window_weights needs per-sample weights, which no shipped "
             "dataset provides yet; use it from the library (gacli.GradientAccumulateModel("

@@ -11,6 +11,11 @@ import keras
 
 from gacli.config import ConfigError
 
+# BN moving statistics move once per optimizer update under batchnorm=accumulate, as they would with
+# one big batch: short runs have few updates, so the registry's models use 0.9 rather than Keras'
+# 0.99 (0.99**60 leaves half of the initial statistics after 60 updates; 0.9**60 leaves 0.2%).
+_BN_MOMENTUM = 0.9
+
 
 def _head(x, num_outputs, task):
     if task == "segmentation":
@@ -33,7 +38,7 @@ def mlp(input_shape, num_outputs, task, cfg):
 
 def _conv_block(x, filters):
     x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
-    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.BatchNormalization(momentum=_BN_MOMENTUM)(x)
     return keras.layers.Activation("relu")(x)
 
 
@@ -96,12 +101,12 @@ def resnet(input_shape, num_outputs, task, cfg):
         stride = 1 if stage == 0 or x.shape[1] < 4 else 2
         shortcut = x
         y = keras.layers.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False)(x)
-        y = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(y))
+        y = keras.layers.Activation("relu")(keras.layers.BatchNormalization(momentum=_BN_MOMENTUM)(y))
         y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
-        y = keras.layers.BatchNormalization()(y)
+        y = keras.layers.BatchNormalization(momentum=_BN_MOMENTUM)(y)
         if stride != 1 or shortcut.shape[-1] != filters:
             shortcut = keras.layers.Conv2D(filters, 1, strides=stride, use_bias=False)(shortcut)
-            shortcut = keras.layers.BatchNormalization()(shortcut)
+            shortcut = keras.layers.BatchNormalization(momentum=_BN_MOMENTUM)(shortcut)
         x = keras.layers.Activation("relu")(keras.layers.Add()([shortcut, y]))
     return keras.Model(inputs, _head(x, num_outputs, task), name="resnet")
 

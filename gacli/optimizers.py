@@ -63,7 +63,7 @@ def learning_rate_schedule(cfg, effective_batch_size, total_updates):
         )
     elif cfg.schedule == Schedule.exponential:
         schedule = keras.optimizers.schedules.ExponentialDecay(
-            peak, decay_steps=cfg.decay_updates, decay_rate=cfg.decay_rate
+            peak, decay_steps=cfg.decay_updates or after_warmup, decay_rate=cfg.decay_rate
         )
     else:
         schedule = peak

@@ -6,6 +6,7 @@ and logged.
 """
 
 import json
+import logging
 import math
 import os
 
@@ -29,6 +30,24 @@ _KERAS_POLICY = {
     Policy.mixed_float16: "mixed_float16",
     Policy.mixed_bfloat16: "mixed_bfloat16",
 }
+
+
+class EpochCheckpoint(keras.callbacks.Callback):
+    """Saves model, optimizer (accumulators and both counters included) and the epoch after every
+    epoch. TensorFlow writes the data files first and the index last, by rename, so an
+    interrupted save leaves the previous checkpoint intact."""
+
+    def __init__(self, directory, model, max_to_keep=2):
+        super().__init__()
+        import tensorflow as tf
+
+        self.epoch = tf.Variable(0, dtype="int64", trainable=False)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, epoch=self.epoch)
+        self.manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=max_to_keep)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch.assign(epoch + 1)
+        self.manager.save(checkpoint_number=epoch + 1)
 
 
 def choose_wrapper(cfg):
@@ -116,6 +135,9 @@ def train(cfg, run_dir, given=(), parallel_jobs=False):
 
 
 def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
+    # Hydra sets the root logger to INFO; TensorFlow's absl chatter is not for the terminal.
+    for name in ("absl", "tensorflow"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     data = load_dataset(cfg.dataset, cfg.seed)
     train_data = data.train
     if cfg.dataset.shuffle:
@@ -196,6 +218,8 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         }
         callbacks.append(TensorBoardLogger(os.path.join(run_dir, "tensorboard"), plan,
                                            accumulator, hparams))
+        if cfg.checkpoint:
+            callbacks.append(EpochCheckpoint(os.path.join(run_dir, "checkpoints"), model))
     history = model.fit(train_data, validation_data=validation, epochs=cfg.epochs,
                         steps_per_epoch=fit_steps, verbose=0, callbacks=callbacks,
                         shuffle=False)  # the tf.data pipeline shuffles

@@ -87,6 +87,9 @@ def test_unet_recipe_runs_and_logs_every_tag(tmp_path):
     resolved = open(os.path.join(run_dir, "resolved.yaml")).read()
     assert "effective_batch_size: 64" in resolved
     assert os.path.exists(os.path.join(run_dir, "model.keras"))
+    import tensorflow as tf
+
+    assert tf.train.latest_checkpoint(os.path.join(run_dir, "checkpoints")).endswith("ckpt-2")
 
 
 def test_batch_arithmetic_from_the_command_line_wins_over_the_recipe(tmp_path):

@@ -1,0 +1,143 @@
+"""train(cfg) in-process: data loaders, model registry, schedules in updates, logging details."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hydra import compose, initialize_config_module
+from test_cli import event_tags, scalars
+
+from gacli.config import ConfigError, register_configs
+from gacli.train import train
+
+
+def compose_config(*overrides):
+    register_configs()
+    with initialize_config_module("gacli.configs", version_base="1.3"):
+        return compose("train", overrides=["progress=none", *overrides])
+
+
+def run(tmp_path, *overrides):
+    run_dir = str(tmp_path / "run")
+    metrics = train(compose_config(*overrides), run_dir=run_dir)
+    return run_dir, metrics
+
+
+def test_npz_classification_and_segmentation(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "cls.npz", x=rng.normal(size=(40, 6)), y=rng.integers(0, 3, 40))
+    run_dir, metrics = run(tmp_path, "dataset=npz", f"dataset.path={tmp_path / 'cls.npz'}",
+                           "dataset.validation_split=0.2", "epochs=1", "micro_batch_size=8",
+                           "accum_steps=2")
+    assert np.isfinite(metrics["loss"])
+    result = json.load(open(os.path.join(run_dir, "result.json")))
+    assert result["optimizer_step"] == 2  # 32 train samples / (8 x 2)
+
+    np.savez(tmp_path / "seg.npz", images=rng.normal(size=(24, 8, 8, 1)),
+             masks=(rng.random((24, 8, 8, 1)) > 0.5).astype("float32"))
+    _, metrics = run(tmp_path / "seg", "dataset=npz", f"dataset.path={tmp_path / 'seg.npz'}",
+                     "dataset.x_key=images", "dataset.y_key=masks", "model=unet", "model.depth=1",
+                     "model.base_filters=4", "epochs=1", "micro_batch_size=4", "accum_steps=2")
+    assert "iou" in metrics
+
+
+def _write_images(root, classes=("cat", "dog"), per_class=6, size=12):
+    rng = np.random.default_rng(0)
+    for name in classes:
+        os.makedirs(root / name)
+        for index in range(per_class):
+            image = tf.constant(rng.integers(0, 255, (size, size, 3)), dtype=tf.uint8)
+            tf.io.write_file(str(root / name / f"{index}.png"), tf.io.encode_png(image))
+
+
+def test_image_folder(tmp_path):
+    _write_images(tmp_path / "images")
+    _, metrics = run(tmp_path, "dataset=image_folder", f"dataset.path={tmp_path / 'images'}",
+                     "dataset.image_size=16", "model=cnn", "epochs=1", "micro_batch_size=4",
+                     "accum_steps=2", "dataset.validation_split=0.25")
+    assert "val_accuracy" in metrics
+
+
+def test_tfrecord(tmp_path):
+    path = str(tmp_path / "train.tfrecord")
+    rng = np.random.default_rng(0)
+    with tf.io.TFRecordWriter(path) as writer:
+        for _ in range(20):
+            feature = {
+                "image": tf.train.Feature(
+                    float_list=tf.train.FloatList(value=rng.normal(size=16).tolist())),
+                "label": tf.train.Feature(
+                    int64_list=tf.train.Int64List(value=[int(rng.integers(0, 2))])),
+            }
+            writer.write(tf.train.Example(
+                features=tf.train.Features(feature=feature)).SerializeToString())
+    _, metrics = run(tmp_path, "dataset=tfrecord", f"dataset.path={path}",
+                     "+dataset.features.image.shape=[4,4,1]", "dataset.features.image.shape=[4,4,1]",
+                     "epochs=1", "micro_batch_size=4", "accum_steps=2")
+    assert np.isfinite(metrics["loss"])
+
+
+def test_user_factory_and_keras_applications(tmp_path):
+    run_dir, metrics = run(tmp_path, "model=factory", "model.factory=factories:tiny_classifier",
+                           "epochs=1", "steps_per_epoch=2")
+    assert np.isfinite(metrics["loss"])
+    with pytest.raises(ConfigError, match="keras.applications.MobileNetV2 cannot take inputs"):
+        run(tmp_path / "app", "model=application", "model.name=MobileNetV2", "epochs=1")
+    with pytest.raises(ConfigError, match="cannot be imported"):
+        run(tmp_path / "bad", "model=factory", "model.factory=nowhere.at_all:build")
+
+
+def test_schedules_count_optimizer_updates_and_are_logged(tmp_path):
+    run_dir, _ = run(tmp_path, "optimizer=sgd", "optimizer.learning_rate=0.1",
+                     "optimizer.schedule=exponential", "optimizer.decay_updates=1",
+                     "optimizer.decay_rate=0.5", "epochs=1", "steps_per_epoch=3",
+                     "micro_batch_size=16", "accum_steps=4")
+    _, events = event_tags(run_dir)
+    # Logged after updates 1, 2, 3: the schedule at 1, 2, 3 updates (not 4, 8, 12 micro-steps).
+    np.testing.assert_allclose(scalars(events, "optimizer/lr"), [0.05, 0.025, 0.0125], rtol=1e-6)
+    assert scalars(events, "optimizer/micro_step") == [4.0, 8.0, 12.0]
+
+
+def test_warmup_then_cosine_in_updates():
+    from gacli.config import OptimizerConfig, Schedule
+    from gacli.optimizers import learning_rate_schedule
+
+    schedule = learning_rate_schedule(
+        OptimizerConfig(learning_rate=1.0, schedule=Schedule.cosine, warmup_updates=4),
+        effective_batch_size=256, total_updates=14,
+    )
+    values = [float(schedule(step)) for step in (0, 3, 4, 9, 14)]
+    np.testing.assert_allclose(values, [0.25, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
+    config = keras.saving.serialize_keras_object(schedule)
+    assert float(keras.saving.deserialize_keras_object(config)(9)) == pytest.approx(0.5)
+
+
+def test_linear_lr_scaling():
+    from gacli.config import LRScaling, OptimizerConfig
+    from gacli.optimizers import scaled_learning_rate
+
+    config = OptimizerConfig(learning_rate=0.1, lr_scaling=LRScaling.linear, base_batch_size=256)
+    assert scaled_learning_rate(config, 1024) == pytest.approx(0.4)
+
+
+def test_device_memory_and_hparams_are_logged(tmp_path, monkeypatch):
+    """No GPU here: the GPU memory reading is mocked; the tags and values must reach the file."""
+    import gacli.run_logging
+
+    monkeypatch.setattr(gacli.run_logging, "device_memory_bytes", lambda: (1234, 5678))
+    run_dir, _ = run(tmp_path, "epochs=1", "steps_per_epoch=2")
+    tags, events = event_tags(run_dir)
+    assert scalars(events, "memory/device_current_bytes") == [1234.0, 1234.0]
+    assert scalars(events, "memory/device_peak_bytes") == [5678.0, 5678.0]
+    assert all(value > 1e7 for value in scalars(events, "memory/host_rss_bytes"))
+    assert "_hparams_/session_start_info" in tags
+
+
+def test_mixed_float16_run_logs_loss_scale(tmp_path):
+    run_dir, metrics = run(tmp_path, "precision=mixed_float16", "epochs=1", "steps_per_epoch=2")
+    tags, events = event_tags(run_dir)
+    assert {"precision/loss_scale", "precision/skipped_micro_batches"} <= tags
+    assert np.isfinite(metrics["loss"])

@@ -52,7 +52,7 @@ def _window_weighted_loss(loss):
     )
 
 
-class _WindowCallback(keras.callbacks.Callback):
+class WindowCallback(keras.callbacks.Callback):
     """Closes each epoch's last window, in the optimizer and in AccumBatchNormalization layers,
     before validation and at the end of every epoch."""
 
@@ -255,7 +255,7 @@ class AccumulationMixin:
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
         callbacks = list(callbacks or [])
-        callbacks.insert(0, _WindowCallback(self.accumulating_optimizer))
+        callbacks.insert(0, WindowCallback(self.accumulating_optimizer))
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                            callbacks=callbacks, **kwargs)
 

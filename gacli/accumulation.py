@@ -250,9 +250,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     @learning_rate.setter
     def learning_rate(self, learning_rate):
-        # Called once by the base constructor before the inner optimizer exists.
-        if "inner_optimizer" in self.__dict__:
-            self.inner_optimizer.learning_rate = learning_rate
+        self.inner_optimizer.learning_rate = learning_rate
 
     def _get_current_learning_rate(self):
         return self.inner_optimizer._get_current_learning_rate()
@@ -420,7 +418,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 # Contract D3: normalise by the samples of the whole window on all replicas.
                 denominator = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, denominator)
         grads = [
-            tf.cast(tf.convert_to_tensor(accumulator) / tf.cast(denominator, accumulator.dtype),
+            # divide_no_nan: a replica whose micro-batches were all skipped holds zeros, not 0/0.
+            tf.cast(tf.math.divide_no_nan(tf.convert_to_tensor(accumulator),
+                                          tf.cast(denominator, accumulator.dtype)),
                     variable.dtype)
             for accumulator, variable in zip(accumulators, variables)
         ]
@@ -448,11 +448,18 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     # -- windows that are not full ----------------------------------------------------------------
     def _run_window_function(self, kind):
         """Run ``flush`` or ``discard`` as a compiled function in the right distribution context."""
-        if not self.built or self._gradient_indices is None:
+        if not self.built:
             return
+        if self._gradient_indices is None:
+            # Nothing traced apply() in this process yet (e.g. a checkpoint restored mid-window):
+            # the open window is applied to every variable that has an accumulator.
+            self._gradient_indices = tuple(range(len(self._accumulators)))
+            self._weighted = True
         function = self._window_functions.get(kind)
         if function is None:
-            strategy = tf.distribute.get_strategy()
+            # The strategy the optimizer was created under (Keras calls callbacks and
+            # finalize_variable_values outside the strategy's scope).
+            strategy = self._distribution_strategy
             step = self._flush_step if kind == "flush" else self._reset_window
 
             @tf.function
@@ -463,7 +470,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                     step()
 
             self._window_functions[kind] = function
-        function()
+        with self._distribution_strategy.scope():
+            function()
 
     def _flush_step(self):
         self._apply_window_if(self.window_micro_steps > 0)

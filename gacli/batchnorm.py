@@ -121,11 +121,12 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         """Close an open (partial) window: update the moving statistics from it, or drop it."""
         if not self.built:
             return
-        close = self.window_count > 0 if apply else False
-        self._close_window_if(
-            close, self.window_count, self.window_mean, self.window_m2, self.window_position
-        )
-        if not apply:
+        if apply:
+            self._close_window_if(
+                self.window_count > 0, self.window_count, self.window_mean, self.window_m2,
+                self.window_position,
+            )
+        else:
             self.window_count.assign(0.0)
             self.window_mean.assign(ops.zeros_like(self.window_mean))
             self.window_m2.assign(ops.zeros_like(self.window_m2))
@@ -171,7 +172,7 @@ def _swap_layer(layer, policy, accum_steps, groups):
     config = layer.get_config()
     if policy is BatchNormPolicy.accumulate:
         new = AccumBatchNormalization.from_config({**config, "accum_steps": accum_steps})
-        new.build(layer.input.shape if hasattr(layer, "input") else None)
+        new.build(layer.input.shape)
         for name in ("gamma", "beta", "moving_mean", "moving_variance"):
             if getattr(layer, name, None) is not None:
                 getattr(new, name).assign(getattr(layer, name))

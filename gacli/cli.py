@@ -27,8 +27,8 @@ Shipped recipes: {recipes}
 Config groups: model={models}  dataset={datasets}
   optimizer={optimizers}  precision={precisions}  strategy={strategies}
 
-Every key can be overridden as key=value; --cfg job prints the composed config. The README has
-the full reference. Hydra's own options follow.
+Every key can be overridden as key=value; --cfg job prints the composed config, --info the
+search path. The README has the full config reference.
 """
 
 
@@ -84,7 +84,7 @@ def main(argv=None):
         config, overrides = _split_config_argument(argv)
         config_path, config_name, label = locate_config(config)
     except ConfigError as error:
-        return _exit(_error(error))
+        return _error(error)
     if any(flag in overrides for flag in ("--help", "-h")):
         print(_HELP.format(
             recipes=", ".join(r + ".yaml" for r in _names("gacli.recipes")),
@@ -112,15 +112,13 @@ def main(argv=None):
     # Hydra's parser wants its options (-m, --cfg job, ...) before the key=value overrides.
     options = [a for a in overrides if a.startswith("-") or "=" not in a]
     assignments = [a for a in overrides if a not in options]
+    saved_argv = sys.argv
     sys.argv = [sys.argv[0] if sys.argv else "ga-train"] + options + assignments + extra
-    hydra.main(version_base="1.3", config_path=config_path, config_name=config_name)(_task)()
+    try:
+        hydra.main(version_base="1.3", config_path=config_path, config_name=config_name)(_task)()
+    finally:
+        sys.argv = saved_argv
     return 0
-
-
-def _exit(code):
-    if code:
-        sys.exit(code)
-    return code
 
 
 def _task(cfg):

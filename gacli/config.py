@@ -2,7 +2,8 @@
 
 Dataclasses registered in Hydra's ConfigStore carry the types (OmegaConf rejects a wrong type or an
 unknown key at composition); YAML files under ``configs/`` and ``recipes/`` carry the values.
-Cross-field rules (the batch arithmetic above all) live in :func:`resolve`, called once at start-up.
+Cross-field rules (the batch arithmetic above all) live in :func:`validate` and
+:func:`resolve_batch`, called once at start-up.
 Nothing here imports TensorFlow: a config error must answer in well under two seconds.
 """
 
@@ -12,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from gacli.options import BatchNormPolicy, LossNormalization, NonFinite, PartialWindow
+from gacli.options import BatchNormPolicy, NonFinite, PartialWindow
 
 
 # Enum members are lower case because OmegaConf matches a YAML/command-line string to a member by
@@ -103,7 +104,7 @@ class DatasetConfig:
 class OptimizerConfig:
     name: OptimizerName = OptimizerName.adam
     learning_rate: float = 1e-3
-    momentum: float = 0.9  # momentum (and rmsprop's momentum when > 0 there)
+    momentum: float = 0.9  # the momentum optimizer's momentum
     weight_decay: float = 0.0  # adamw (decoupled); other optimizers: Keras' weight_decay
     clipnorm: Optional[float] = None
     global_clipnorm: Optional[float] = None
@@ -146,7 +147,6 @@ class TrainConfig:
     effective_batch_size: Optional[int] = None  # micro x accum x replicas
     wrapper: Wrapper = Wrapper.auto
     partial_window: PartialWindow = PartialWindow.apply
-    loss_normalization: LossNormalization = LossNormalization.batch
     batchnorm: BatchNormPolicy = BatchNormPolicy.keep
     epochs: int = 1
     steps_per_epoch: Optional[int] = None  # optimizer updates per epoch (None: one data pass)
@@ -210,18 +210,21 @@ def resolve_batch(micro_batch_size, accum_steps, effective_batch_size, replicas,
                 f"{key}={value} must be a whole number >= 1, e.g. {key}="
                 f"{ {'micro_batch_size': 16, 'accum_steps': 4, 'effective_batch_size': 64}[key] }."
             )
-    given = [key for key in _BATCH_KEYS if key in given and values[key] is not None]
-    if len(given) == 3:
-        kept = list(_BATCH_KEYS)
-    else:
+    configured = [key for key in _BATCH_KEYS if values[key] is not None]
+    from_command_line = [key for key in configured if key in given]
+    if from_command_line:
         # Command-line keys first; then the micro-batch (it is what fits in memory), then accum.
-        kept = given + [k for k in _BATCH_KEYS if k not in given and values[k] is not None]
-        kept = kept[:2]
+        kept = from_command_line + [k for k in configured if k not in from_command_line]
+        kept = kept[: max(2, len(from_command_line))]
+    else:
+        kept = configured  # all from config files: every value is checked, none dropped
     micro = values["micro_batch_size"] if "micro_batch_size" in kept else None
     accum = values["accum_steps"] if "accum_steps" in kept else None
     effective = values["effective_batch_size"] if "effective_batch_size" in kept else None
-    if micro is None and accum is None and effective is None:
-        micro, accum = 32, 1
+    if micro is None and (accum is None or effective is None):
+        micro = 32  # the default micro-batch when it cannot be derived
+    if accum is None and effective is None:
+        accum = 1
     if micro is not None and accum is not None:
         plan = BatchPlan(micro, accum, replicas)
         if effective is not None and effective != plan.effective_batch_size:
@@ -232,9 +235,6 @@ def resolve_batch(micro_batch_size, accum_steps, effective_batch_size, replicas,
                 f"effective_batch_size={plan.effective_batch_size}."
             )
         return plan
-    if effective is None:
-        return BatchPlan(micro if micro is not None else 32, accum if accum is not None else 1,
-                         replicas)
     if micro is not None:
         per_update = micro * replicas
         if effective % per_update:
@@ -291,12 +291,6 @@ def validate(cfg, given=()):
         )
     if cfg.strategy.logical_cpus < 0:
         raise ConfigError("strategy.logical_cpus must be >= 0 (0: use the devices as they are).")
-    if cfg.loss_normalization == LossNormalization.window_weights:
-        raise ConfigError(
-            "loss_normalization=window_weights needs per-sample weights, which no shipped "
-            "dataset provides yet; use it from the library (gacli.GradientAccumulateModel("
-            "loss_normalization='window_weights') with fit(sample_weight=...))."
-        )
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError(
             f"model.factory={cfg.model.factory} must be 'package.module:function', e.g. "

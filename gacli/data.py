@@ -187,7 +187,10 @@ def tfrecord(cfg, seed):
     total = sum(1 for _ in records)
     validation_size = int(round(total * cfg.validation_split))
     parsed = records.map(parse)
-    train = parsed.skip(validation_size)
+    # The count is known: telling tf.data lets Keras size epochs without running out of data.
+    train = parsed.skip(validation_size).apply(
+        tf.data.experimental.assert_cardinality(total - validation_size)
+    )
     validation = parsed.take(validation_size) if validation_size else None
     label_shape = tuple(cfg.features[cfg.label_key]["shape"])
     num_outputs = cfg.num_classes

@@ -54,16 +54,14 @@ class TensorBoardLogger(keras.callbacks.Callback):
         plan: the run's :class:`~gacli.config.BatchPlan`.
         accumulator: the run's GradientAccumulateOptimizer (counters, learning rate).
         hparams: dict of hyper-parameters for the HParams tab.
-        every_updates: log train scalars every this many updates.
     """
 
-    def __init__(self, log_dir, plan, accumulator, hparams, every_updates=1):
+    def __init__(self, log_dir, plan, accumulator, hparams):
         super().__init__()
         self.writer = tf.summary.create_file_writer(log_dir)
         self.plan = plan
         self.accumulator = accumulator
         self.hparams = hparams
-        self.every_updates = max(1, int(every_updates))
         self._last_step = 0
         self._last_time = None
         self._samples_since = 0
@@ -81,8 +79,8 @@ class TensorBoardLogger(keras.callbacks.Callback):
         # micro-batch of an epoch may be short, which a per-update average absorbs).
         self._samples_since += self.plan.global_micro_batch_size * self.model.steps_per_execution
         step = int(self.accumulator.optimizer_step.numpy())
-        if step - self._last_step < self.every_updates:
-            return
+        if step == self._last_step:
+            return  # a micro-step inside a window
         self._write_train(step, logs or {})
 
     def _write_train(self, step, logs):

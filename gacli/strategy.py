@@ -42,7 +42,8 @@ def make_strategy(cfg):
     if cfg.name == StrategyName.mirrored:
         devices = list(cfg.devices) or None
         if devices is None and cfg.logical_cpus and not tf.config.list_logical_devices("GPU"):
-            devices = [device.name for device in tf.config.list_logical_devices("CPU")]
+            cpus = tf.config.list_logical_devices("CPU")[: cfg.logical_cpus]
+            devices = [device.name for device in cpus]
         return tf.distribute.MirroredStrategy(devices)
     if cfg.name == StrategyName.multi_worker:
         config = os.environ.get("TF_CONFIG")

@@ -14,9 +14,9 @@ import keras
 from omegaconf import OmegaConf
 
 from gacli.accumulation import GradientAccumulateOptimizer, find_accumulating_optimizer
-from gacli.accumulate_model import wrap_model
+from gacli.accumulate_model import WindowCallback, wrap_model
 from gacli.batchnorm import apply_batchnorm_policy
-from gacli.config import ConfigError, Policy, Wrapper, resolve_batch
+from gacli.config import ConfigError, PartialWindow, Policy, Wrapper, resolve_batch
 from gacli.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.data import load_dataset
 from gacli.models import build_model
@@ -83,14 +83,16 @@ def _check_fits(model, data):
     given = tuple(data.input_shape)
     if len(expected) != len(given) or any(e not in (None, g) for e, g in zip(expected, given)):
         raise ConfigError(
-            f"the model takes inputs of shape {expected} but the dataset gives {given}; resize the data (e.g. dataset.image_size=, dataset.channels=) or "
-            "choose a model built for it."
+            f"the model takes inputs of shape {expected} but the dataset gives {given}; choose a "
+            "model built for the data (a factory gets the data's shape), or resize image data "
+            "(dataset.image_size=, dataset.channels= for image_folder and shapes)."
         )
     output = tuple(model.output_shape[1:])
     if data.task == "classification" and output[-1] != data.num_outputs:
         raise ConfigError(
-            f"the model has {output[-1]} outputs but the data has {data.num_outputs} classes; set "
-            f"dataset.num_classes={output[-1]} or build the model for {data.num_outputs} classes."
+            f"the model has {output[-1]} outputs but the data has {data.num_outputs} classes; "
+            f"build the model for {data.num_outputs} classes (model.kwargs for a factory), or "
+            "give the data the classes the model predicts."
         )
     if data.task == "segmentation" and output[:-1] != tuple(data.label_shape[:-1]):
         raise ConfigError(
@@ -148,13 +150,20 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         updates_per_epoch = cfg.steps_per_epoch
         fit_steps = cfg.steps_per_epoch * plan.accum_steps
         train_data = train_data.repeat()
+    elif cfg.partial_window == PartialWindow.drop:
+        updates_per_epoch = micro_batches // plan.accum_steps
+        fit_steps = None
+    elif cfg.partial_window == PartialWindow.carry:
+        # Windows run across epochs: on average this many updates an epoch.
+        updates_per_epoch = micro_batches / plan.accum_steps
+        fit_steps = None
     else:
         updates_per_epoch = math.ceil(micro_batches / plan.accum_steps)
         fit_steps = None
     validation = None
     if data.validation is not None:
         validation = data.validation.batch(plan.global_micro_batch_size)
-    total_updates = updates_per_epoch * cfg.epochs
+    total_updates = math.ceil(updates_per_epoch * cfg.epochs)
     wrapper, reason = choose_wrapper(cfg)
     loss, metrics = loss_and_metrics(data.task, data.num_outputs)
     optimizer_cfg = cfg.optimizer
@@ -170,8 +179,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
             clip_factor=optimizer_cfg.clip_factor, nonfinite=nonfinite,
         )
         if wrapper == "model":
-            model = wrap_model(model, plan.accum_steps,
-                               loss_normalization=cfg.loss_normalization.value, **accumulation)
+            model = wrap_model(model, plan.accum_steps, **accumulation)
             model.compile(optimizer=inner, loss=loss, metrics=metrics,
                           jit_compile=cfg.jit_compile)
         else:
@@ -189,7 +197,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         "model": f"{cfg.model.factory or cfg.model.name} ({model.count_params():,} parameters)",
         "data": f"{cfg.dataset.name}: {data.train_size} train / {data.validation_size} val "
                 f"samples, inputs {tuple(data.input_shape)}",
-        "updates": f"{updates_per_epoch} per epoch x {cfg.epochs} epochs, "
+        "updates": f"{total_updates} in {cfg.epochs} epochs, "
                    f"{micro_batches if not fit_steps else fit_steps} micro-batches per epoch",
         "precision": cfg.precision.policy.value,
         "strategy": f"{cfg.strategy.name.value} ({strategy.num_replicas_in_sync} replica"
@@ -202,12 +210,15 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         resolved["resolved"] = {
             "micro_batch_size": plan.micro_batch_size, "accum_steps": plan.accum_steps,
             "replicas": plan.replicas, "effective_batch_size": plan.effective_batch_size,
-            "updates_per_epoch": updates_per_epoch, "wrapper": wrapper,
+            "optimizer_updates": total_updates, "wrapper": wrapper,
         }
         OmegaConf.save(OmegaConf.create(resolved), os.path.join(run_dir, "resolved.yaml"))
 
-    callbacks = [ProgressCallback(console, cfg.progress, plan, accumulator, updates_per_epoch,
-                                  cfg.epochs, parallel_jobs)]
+    callbacks = [ProgressCallback(console, cfg.progress, plan, accumulator,
+                                  math.ceil(total_updates / cfg.epochs), cfg.epochs, parallel_jobs)]
+    if wrapper == "optimizer":
+        # A plain model's fit() does not close windows at epoch ends; this callback does.
+        callbacks.insert(0, WindowCallback(accumulator))
     if chief:
         hparams = {
             "accum_steps": plan.accum_steps, "micro_batch_size": plan.micro_batch_size,

@@ -36,10 +36,33 @@ def plain_model(seed=0):
     return keras.Model(inputs, outputs)
 
 
+# Every weight difference a test measures, by test: printed at the end of the run, so the numbers
+# behind each contract row are visible, not just "passed".
+MEASURED = {}
+_current_test = {"id": None}
+
+
+@pytest.fixture(autouse=True)
+def _name_measurements(request):
+    _current_test["id"] = request.node.nodeid.split("::", 1)[-1]
+    yield
+    _current_test["id"] = None
+
+
 def max_weight_difference(model_a, model_b):
-    return max(
+    difference = max(
         float(np.max(np.abs(a - b))) for a, b in zip(model_a.get_weights(), model_b.get_weights())
     )
+    MEASURED.setdefault(_current_test["id"], []).append(difference)
+    return difference
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not MEASURED:
+        return
+    terminalreporter.section("measured max abs weight differences")
+    for test_id, values in sorted(MEASURED.items()):
+        terminalreporter.write_line(f"{test_id:<72} {', '.join(f'{v:.2e}' for v in values)}")
 
 
 def big_batch_reference(make_optimizer, windows, x, y, loss="mse", seed=0):

@@ -141,3 +141,16 @@ def test_mixed_float16_run_logs_loss_scale(tmp_path):
     tags, events = event_tags(run_dir)
     assert {"precision/loss_scale", "precision/skipped_micro_batches"} <= tags
     assert np.isfinite(metrics["loss"])
+
+
+@pytest.mark.parametrize("partial_window, updates", [("apply", 6), ("drop", 4), ("carry", 5)])
+def test_optimizer_wrapper_closes_windows_per_partial_window(tmp_path, partial_window, updates):
+    """wrapper=optimizer on 36 samples, micro 8, k 2: 5 micro-batches an epoch, 2 epochs."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "cls.npz", x=rng.normal(size=(36, 6)), y=rng.integers(0, 3, 36))
+    run_dir, _ = run(tmp_path, "dataset=npz", f"dataset.path={tmp_path / 'cls.npz'}",
+                     "dataset.validation_split=0", "wrapper=optimizer",
+                     f"partial_window={partial_window}", "epochs=2", "micro_batch_size=8",
+                     "accum_steps=2")
+    result = json.load(open(os.path.join(run_dir, "result.json")))
+    assert (result["optimizer_step"], result["micro_step"]) == (updates, 10)

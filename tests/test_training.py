@@ -17,7 +17,8 @@ from gacli.train import train
 def compose_config(*overrides):
     register_configs()
     with initialize_config_module("gacli.configs", version_base="1.3"):
-        return compose("train", overrides=["progress=none", *overrides])
+        quiet = [] if any(o.startswith("progress=") for o in overrides) else ["progress=none"]
+        return compose("train", overrides=[*quiet, *overrides])
 
 
 def run(tmp_path, *overrides):
@@ -154,3 +155,22 @@ def test_optimizer_wrapper_closes_windows_per_partial_window(tmp_path, partial_w
                      "accum_steps=2")
     result = json.load(open(os.path.join(run_dir, "result.json")))
     assert (result["optimizer_step"], result["micro_step"]) == (updates, 10)
+
+
+@pytest.mark.parametrize("terminal, expected", [(True, "micro 8"), (False, "epoch 1/1  update 4/4")])
+def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise(tmp_path, monkeypatch, terminal,
+                                                             expected):
+    import io
+
+    from rich.console import Console
+
+    import gacli.train
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(gacli.train, "make_console",
+                        lambda: Console(file=buffer, force_terminal=terminal, width=160))
+    train(compose_config("progress=auto", "epochs=1", "steps_per_epoch=4", "accum_steps=2"),
+          run_dir=str(tmp_path / "run"))
+    output = buffer.getvalue()
+    assert expected in output and "samples/s" in output
+    assert "effective batch  64 = micro_batch_size 32 x accum_steps 2 x replicas 1" in output

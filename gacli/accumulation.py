@@ -220,9 +220,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             # Per replica: whether this replica's last micro-batch / open window had an overflow.
             self.step_nonfinite = self._add_state("step_nonfinite", per_replica=True)
             self.window_nonfinite = self._add_state("window_nonfinite", per_replica=True)
-            self.skipped_micro_batches = self._add_state(
-                "skipped_micro_batches", dtype="int64", per_replica=True
-            )
+            # Counted in cross-replica context from the summed step flags: one total, not one
+            # count per replica.
+            self.skipped_micro_batches = self._add_state("skipped_micro_batches", dtype="int64")
             self.skipped_windows = self._add_state("skipped_windows", dtype="int64")
         if self.loss_scaling:
             self.loss_scale = self._add_state("loss_scale", initial_value=self.initial_scale)
@@ -342,7 +342,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self.step_nonfinite.assign(nonfinite)
             if self.nonfinite is NonFinite.skip_micro_batch:
                 weight = weight * (1.0 - nonfinite)
-                self.skipped_micro_batches.assign_add(tf.cast(nonfinite, "int64"))
             else:
                 self.window_nonfinite.assign_add(nonfinite)
         self.window_weight.assign_add(weight)
@@ -376,8 +375,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """``closes`` is one boolean; ``in_each_replica(fn)`` runs fn in replica context."""
         apply_now = closes
         if self.nonfinite is not None:
+            if micro_step and self.nonfinite is NonFinite.skip_micro_batch:
+                # Per-replica flags summed on read: how many replicas dropped this micro-step.
+                self.skipped_micro_batches.assign_add(
+                    tf.cast(tf.convert_to_tensor(self.step_nonfinite), "int64")
+                )
             if self.loss_scaling and micro_step:
-                # Per-replica flags summed on read: any replica's overflow halves everyone's scale.
+                # Any replica's overflow halves everyone's scale.
                 overflow = tf.convert_to_tensor(self.step_nonfinite) > 0
                 self.loss_scale.assign(
                     tf.where(overflow, tf.maximum(self.loss_scale / 2.0, 1.0), self.loss_scale)

@@ -94,12 +94,18 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
     def _pool(self, mean, variance, count):
         """Fold one micro-batch's moments into the window; update moving stats when it is full."""
+        # A replica can get an empty micro-batch (the short end of a dataset split over replicas):
+        # its moments are nan and it must fold in as nothing.
+        has_samples = count > 0
+        mean = ops.where(has_samples, mean, self.window_mean)
+        variance = ops.where(has_samples, variance, ops.zeros_like(variance))
         previous_count = self.window_count
         total = previous_count + count
         delta = mean - self.window_mean
-        pooled_mean = self.window_mean + delta * (count / total)
+        pooled_mean = self.window_mean + delta * ops.divide_no_nan(count, total)
         pooled_m2 = (
-            self.window_m2 + variance * count + ops.square(delta) * (previous_count * count / total)
+            self.window_m2 + variance * count
+            + ops.square(delta) * ops.divide_no_nan(previous_count * count, total)
         )
         position = self.window_position + 1
         self._close_window_if(position >= self.accum_steps, total, pooled_mean, pooled_m2, position)

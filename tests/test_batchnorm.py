@@ -151,3 +151,13 @@ def test_accum_batchnorm_serialises_and_rejects_renorm(tmp_path):
         gacli.GradientAccumulateModel(accum_steps=2, inputs=inputs, outputs=outputs).compile(
             optimizer="sgd", loss="mse"
         )
+
+
+def test_an_empty_micro_batch_folds_in_as_nothing():
+    """A replica may get no sample of a short last batch; its nan moments must not leak."""
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+    layer = gacli.AccumBatchNormalization(accum_steps=2, momentum=0.0)
+    layer(x[:0], training=True)
+    layer(x, training=True)
+    np.testing.assert_allclose(layer.moving_mean.numpy(), x.mean(axis=0), atol=1e-5)
+    np.testing.assert_allclose(layer.moving_variance.numpy(), x.var(axis=0), atol=1e-5)

@@ -361,15 +361,20 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if _in_distributed_replica_context():
 
             def merge_fn(distribution, window_closes):
+                # Read in cross-replica context, the per-replica window weights come summed: the
+                # global sample count of the window (D3).
+                global_weight = tf.convert_to_tensor(self.window_weight)
                 self._decide(
                     distribution.experimental_local_results(window_closes)[0],
-                    distribution.extended.call_for_each_replica,
+                    lambda fn: distribution.extended.call_for_each_replica(
+                        fn, args=(global_weight,)
+                    ),
                     micro_step,
                 )
 
             tf.distribute.get_replica_context().merge_call(merge_fn, args=(window_closes,))
         else:
-            self._decide(window_closes, lambda fn: fn(), micro_step)
+            self._decide(window_closes, lambda fn: fn(None), micro_step)
 
     def _decide(self, closes, in_each_replica, micro_step):
         """``closes`` is one boolean; ``in_each_replica(fn)`` runs fn in replica context."""
@@ -405,11 +410,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             lambda: None,
         )
 
-    def _skip_window(self):
+    def _skip_window(self, global_weight=None):
+        del global_weight
         self.skipped_windows.assign_add(1)
         self._reset_window()
 
-    def _apply_window(self):
+    def _apply_window(self, global_weight=None):
+        """Update from the open window; ``global_weight``: its count summed over replicas."""
         indices = self._gradient_indices or ()
         variables = [self._trainable_variables[index] for index in indices]
         accumulators = [self._accumulators[index] for index in indices]
@@ -417,10 +424,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             denominator = tf.constant(1.0)
         else:
             denominator = tf.convert_to_tensor(self.window_weight)
-            replica_context = tf.distribute.get_replica_context()
-            if self._weighted and _in_distributed_replica_context():
+            if self._weighted and global_weight is not None:
                 # Contract D3: normalise by the samples of the whole window on all replicas.
-                denominator = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, denominator)
+                denominator = global_weight
         grads = [
             # divide_no_nan: a replica whose micro-batches were all skipped holds zeros, not 0/0.
             tf.cast(tf.math.divide_no_nan(tf.convert_to_tensor(accumulator),

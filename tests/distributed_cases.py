@@ -1,0 +1,109 @@
+"""Runs accumulation under MirroredStrategy on logical CPU devices; prints JSON of the measured
+max abs weight differences against single-device big-batch runs.
+
+A separate process because the CPU must be split into logical devices before TensorFlow
+initialises. Usage: python distributed_cases.py
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import (  # noqa: E402
+    big_batch_reference,
+    epoch_windows,
+    make_data,
+    max_weight_difference,
+    mlp_layers,
+    plain_model,
+)
+
+import gacli  # noqa: E402
+
+OPTIMIZERS = {
+    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+EPOCHS = 2
+
+
+def fit_case(wrapper, optimizer, replicas, samples, micro, accum_steps):
+    """model.fit with a global batch of micro x replicas; windows of micro x replicas x k."""
+    x, y = make_data(samples)
+    window = micro * replicas * accum_steps
+    reference = big_batch_reference(OPTIMIZERS[optimizer], epoch_windows(samples, window, EPOCHS),
+                                    x, y)
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        if wrapper == "model":
+            inputs, outputs = mlp_layers()
+            model = gacli.GradientAccumulateModel(accum_steps=accum_steps, inputs=inputs,
+                                                  outputs=outputs)
+            model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse")
+        else:
+            model = plain_model()
+            model.compile(optimizer=gacli.GradientAccumulateOptimizer(
+                OPTIMIZERS[optimizer](), accum_steps=accum_steps), loss="mse")
+    model.fit(x, y, batch_size=micro * replicas, epochs=EPOCHS, shuffle=False, verbose=0)
+    return max_weight_difference(model, reference)
+
+
+def custom_loop_case(optimizer, replicas, samples, micro, accum_steps):
+    """A user's loop: strategy.run per global micro-batch, each replica passing its count."""
+    x, y = make_data(samples)
+    window = micro * replicas * accum_steps
+    reference = big_batch_reference(OPTIMIZERS[optimizer], epoch_windows(samples, window, EPOCHS),
+                                    x, y)
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = plain_model()
+        accumulator = gacli.GradientAccumulateOptimizer(OPTIMIZERS[optimizer](),
+                                                        accum_steps=accum_steps)
+        accumulator.build(model.trainable_variables)
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(micro * replicas)
+    )
+
+    @tf.function
+    def train_micro_batch(x_batch, y_batch):
+        def on_replica(x_local, y_local):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x_local, training=True) - y_local))
+            grads = tape.gradient(loss, model.trainable_variables)
+            accumulator.apply_gradients(zip(grads, model.trainable_variables),
+                                        sample_count=tf.shape(x_local)[0])
+
+        strategy.run(on_replica, args=(x_batch, y_batch))
+
+    for _ in range(EPOCHS):
+        for x_batch, y_batch in dataset:
+            train_micro_batch(x_batch, y_batch)
+        accumulator.finish_epoch()
+    return max_weight_difference(model, reference)
+
+
+def main():
+    results = {}
+    for optimizer in OPTIMIZERS:
+        # 70 samples: global micro-batches of 32, 32, 6 (3 per replica); windows of 64 and 6.
+        results[f"model-2replicas-ragged-{optimizer}"] = fit_case("model", optimizer, 2, 70, 16, 2)
+        results[f"model-1replica-ragged-{optimizer}"] = fit_case("model", optimizer, 1, 70, 16, 4)
+        # A plain model's fit() weighs micro-batches equally: full windows only.
+        results[f"optimizer-2replicas-{optimizer}"] = fit_case("optimizer", optimizer, 2, 128,
+                                                               16, 2)
+        results[f"custom-loop-2replicas-ragged-{optimizer}"] = custom_loop_case(
+            optimizer, 2, 70, 16, 2)
+    print("RESULTS " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

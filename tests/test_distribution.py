@@ -1,0 +1,38 @@
+"""Contract rows D1 and D3 under MirroredStrategy with 1 and 2 replicas (logical CPU devices):
+both wrappers and a custom loop match a single-device big-batch run, ragged data included."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import MEASURED
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def distributed_results():
+    result = subprocess.run([sys.executable, os.path.join(HERE, "distributed_cases.py")],
+                            capture_output=True, text=True, timeout=900)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(lines[0][len("RESULTS "):])
+
+
+CASES = [
+    f"{kind}-{optimizer}"
+    for kind in ("model-2replicas-ragged", "model-1replica-ragged", "optimizer-2replicas",
+                 "custom-loop-2replicas-ragged")
+    for optimizer in ("momentum", "adam")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_d1_d3_mirrored_matches_single_device_big_batch(distributed_results, case):
+    difference = distributed_results[case]
+    MEASURED.setdefault(f"test_d1_d3_mirrored[{case}]", []).append(difference)
+    assert difference <= (1e-6 if "momentum" in case else 1e-5)

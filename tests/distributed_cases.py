@@ -36,13 +36,20 @@ OPTIMIZERS = {
 EPOCHS = 2
 
 
-def fit_case(wrapper, optimizer, replicas, samples, micro, accum_steps):
-    """model.fit with a global batch of micro x replicas; windows of micro x replicas x k."""
+def setting(optimizer, replicas, samples, micro, accum_steps):
+    """Data, the single-device big-batch reference (windows of micro x replicas x k samples) and
+    a MirroredStrategy over ``replicas`` logical CPUs."""
     x, y = make_data(samples)
     window = micro * replicas * accum_steps
     reference = big_batch_reference(OPTIMIZERS[optimizer], epoch_windows(samples, window, EPOCHS),
                                     x, y)
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+    return x, y, reference, strategy
+
+
+def fit_case(wrapper, optimizer, replicas, samples, micro, accum_steps):
+    """model.fit with a global batch of micro x replicas."""
+    x, y, reference, strategy = setting(optimizer, replicas, samples, micro, accum_steps)
     with strategy.scope():
         if wrapper == "model":
             inputs, outputs = mlp_layers()
@@ -59,11 +66,7 @@ def fit_case(wrapper, optimizer, replicas, samples, micro, accum_steps):
 
 def custom_loop_case(optimizer, replicas, samples, micro, accum_steps):
     """A user's loop: strategy.run per global micro-batch, each replica passing its count."""
-    x, y = make_data(samples)
-    window = micro * replicas * accum_steps
-    reference = big_batch_reference(OPTIMIZERS[optimizer], epoch_windows(samples, window, EPOCHS),
-                                    x, y)
-    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+    x, y, reference, strategy = setting(optimizer, replicas, samples, micro, accum_steps)
     with strategy.scope():
         model = plain_model()
         accumulator = gacli.GradientAccumulateOptimizer(OPTIMIZERS[optimizer](),

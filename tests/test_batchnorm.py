@@ -161,3 +161,27 @@ def test_an_empty_micro_batch_folds_in_as_nothing():
     layer(x, training=True)
     np.testing.assert_allclose(layer.moving_mean.numpy(), x.mean(axis=0), atol=1e-5)
     np.testing.assert_allclose(layer.moving_variance.numpy(), x.var(axis=0), atol=1e-5)
+
+
+def test_accum_batchnorm_under_mixed_float16_matches_big_batch_bn():
+    """float16 activations, float32 statistics: one window equals a big-batch BN step under the
+    same policy (the same float16 inputs, pooled in float32)."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = images(MICRO * K)
+        reference = keras.Model(*conv_model(lambda: keras.layers.BatchNormalization(momentum=0.0)))
+        reference.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        reference.train_on_batch(x, y)
+        inputs, outputs = conv_model(lambda: gacli.AccumBatchNormalization(accum_steps=K,
+                                                                            momentum=0.0))
+        model = gacli.GradientAccumulateModel(accum_steps=K, inputs=inputs, outputs=outputs)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    bn, expected = model.layers[2], reference.layers[2]
+    assert bn.compute_dtype == "float16" and bn.moving_variance.dtype == "float32"
+    np.testing.assert_allclose(bn.moving_mean.numpy(), expected.moving_mean.numpy(), atol=1e-4)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), expected.moving_variance.numpy(),
+                               atol=1e-4)

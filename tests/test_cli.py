@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from importlib import resources
 
 import pytest
@@ -158,14 +157,25 @@ def test_bad_input_gives_one_clear_message_and_no_traceback(arguments, first_lin
     assert first_line in output, output
 
 
-@pytest.mark.parametrize("arguments", [["--help"], ["accum_steps=0"], ["acum_steps=1"]])
-def test_help_and_config_errors_answer_without_tensorflow(arguments, tmp_path):
-    start = time.perf_counter()
-    code, output = ga_train(*arguments, cwd=tmp_path)
-    elapsed = time.perf_counter() - start
-    assert (code == 0) == (arguments == ["--help"])
-    # Not a timing test of speed but of what is imported: TensorFlow alone takes several seconds.
-    assert elapsed < 2.0, f"{arguments} took {elapsed:.1f} s"
+CHECK_IMPORTS = """
+import sys
+from gacli.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print("tensorflow imported:", "tensorflow" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("arguments", [["--help"], ["accum_steps=0"], ["acum_steps=1"],
+                                       ["effective_batch_size=100", "micro_batch_size=16"]])
+def test_help_and_config_errors_answer_without_importing_tensorflow(arguments, tmp_path):
+    """What makes them answer at once (TensorFlow alone takes seconds to import); the time itself
+    is measured by benchmarks, not asserted here."""
+    result = subprocess.run([sys.executable, "-c", CHECK_IMPORTS, *arguments], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert "tensorflow imported: False" in result.stdout, result.stdout + result.stderr
 
 
 def test_full_error_with_hydra_full_error(tmp_path):

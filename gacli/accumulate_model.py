@@ -22,16 +22,11 @@ from gacli.accumulation import (
 from gacli.batchnorm import accum_batchnorm_layers
 from gacli.options import LossNormalization, NonFinite, PartialWindow, parse_option
 
-_ACCUMULATION_DEFAULTS = {
-    "accum_steps": 1,
-    "use_agc": False,
-    "clip_factor": 0.01,
-    "eps": 1e-3,
-    "partial_window": "apply",
-    "accumulator_dtype": "float32",
-    "nonfinite": None,
-    "loss_normalization": "batch",
-}
+# The accumulation settings a model stores and serialises (their defaults are in the signatures).
+_ACCUMULATION_KEYS = (
+    "accum_steps", "use_agc", "clip_factor", "eps", "partial_window", "accumulator_dtype",
+    "nonfinite", "loss_normalization",
+)
 
 
 def _window_weighted_loss(loss):
@@ -125,7 +120,7 @@ class AccumulationMixin:
         ).value
 
     def _accumulation_config(self):
-        return {key: getattr(self, key) for key in _ACCUMULATION_DEFAULTS}
+        return {key: getattr(self, key) for key in _ACCUMULATION_KEYS}
 
     def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
         if isinstance(optimizer, str):
@@ -191,8 +186,7 @@ class AccumulationMixin:
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-        sample_count = batch_size
+        sample_count = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
         if self.loss_normalization == LossNormalization.window_weights.value:
             if sample_weight is None:
                 raise ValueError(
@@ -321,7 +315,7 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        accumulation = {key: config.pop(key) for key in _ACCUMULATION_DEFAULTS if key in config}
+        accumulation = {key: config.pop(key) for key in _ACCUMULATION_KEYS if key in config}
         model = functional_from_config(cls, config, custom_objects=custom_objects)
         model._configure_accumulation(**accumulation)
         return model

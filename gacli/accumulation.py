@@ -366,18 +366,18 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 global_weight = tf.convert_to_tensor(self.window_weight)
                 self._decide(
                     distribution.experimental_local_results(window_closes)[0],
-                    lambda fn: distribution.extended.call_for_each_replica(
-                        fn, args=(global_weight,)
-                    ),
+                    lambda fn, *args: distribution.extended.call_for_each_replica(fn, args=args),
+                    global_weight,
                     micro_step,
                 )
 
             tf.distribute.get_replica_context().merge_call(merge_fn, args=(window_closes,))
         else:
-            self._decide(window_closes, lambda fn: fn(None), micro_step)
+            self._decide(window_closes, lambda fn, *args: fn(*args), None, micro_step)
 
-    def _decide(self, closes, in_each_replica, micro_step):
-        """``closes`` is one boolean; ``in_each_replica(fn)`` runs fn in replica context."""
+    def _decide(self, closes, in_each_replica, global_weight, micro_step):
+        """``closes``: one boolean; ``in_each_replica(fn, *args)`` runs fn in replica context;
+        ``global_weight``: the window's count summed over replicas (None on one device)."""
         apply_now = closes
         if self.nonfinite is not None:
             if micro_step and self.nonfinite is NonFinite.skip_micro_batch:
@@ -406,12 +406,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )
         tf.cond(
             apply_now,
-            lambda: in_each_replica(self._apply_window),
+            lambda: in_each_replica(self._apply_window, global_weight),
             lambda: None,
         )
 
-    def _skip_window(self, global_weight=None):
-        del global_weight
+    def _skip_window(self):
         self.skipped_windows.assign_add(1)
         self._reset_window()
 

@@ -81,6 +81,23 @@ class WindowCallback(keras.callbacks.Callback):
         self._finish_epoch(last=last)
 
 
+def _reducible_logs(logs, strategy):
+    """Logs that Keras can average over workers.
+
+    Across workers Keras averages a step's logs with ``strategy.reduce("MEAN", value, axis=0)``,
+    which fails on the scalars every step returns (keras-team/keras#20585); as vectors of one they
+    average to the same scalar. One process keeps its scalars.
+    """
+    extended = getattr(strategy, "extended", None)
+    if not (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and extended._in_multi_worker_mode()):
+        return logs
+    return tf.nest.map_structure(
+        lambda value: tf.reshape(value, [1]) if getattr(value, "shape", None) == () else value,
+        logs,
+    )
+
+
 class AccumulationMixin:
     """``compile``/``train_step``/``fit`` of a Keras model that accumulates gradients."""
 
@@ -224,7 +241,10 @@ class AccumulationMixin:
                 with accumulator.sample_count_scope(sample_count):
                     self.optimizer.apply(gradients, trainable_weights)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return {**logs, **self._accumulation_logs()}
+        return _reducible_logs({**logs, **self._accumulation_logs()}, self.distribute_strategy)
+
+    def test_step(self, data):
+        return _reducible_logs(super().test_step(data), self.distribute_strategy)
 
     def _accumulation_logs(self):
         """Loss scale and skip counts, when in use, beside the loss in fit()'s logs."""
@@ -238,6 +258,24 @@ class AccumulationMixin:
         if accumulator.loss_scaling:
             logs["loss_scale"] = tf.convert_to_tensor(accumulator.loss_scale)
         return logs
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras builds the model from one batch before fit/evaluate under a strategy, averaging
+        # the per-replica batches with strategy.reduce; MultiWorkerMirroredStrategy cannot reduce
+        # an input batch eagerly (keras-team/keras#20585). Only the batch's shapes matter here, so
+        # the first local replica's batch builds the model just as well, under any strategy.
+        if self._distribute_strategy is None or iterator is None:
+            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        for _, _, batches in iterator:
+            batch = next(batches)
+            data_batch = tf.nest.map_structure(
+                lambda value: self._distribute_strategy.experimental_local_results(value)[0]
+                if isinstance(value, tf.distribute.DistributedValues) else value,
+                batch,
+            )
+            break
+        with self._distribute_strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             **kwargs):

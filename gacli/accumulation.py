@@ -58,6 +58,20 @@ def validate_accum_steps(accum_steps):
     return accum_steps
 
 
+@contextlib.contextmanager
+def _clipping_off(optimizer):
+    """The optimizer's own clipping switched off, while tracing an apply of clipped gradients."""
+    names = ("clipnorm", "global_clipnorm", "clipvalue")
+    saved = {name: getattr(optimizer, name, None) for name in names}
+    try:
+        for name in names:
+            setattr(optimizer, name, None)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(optimizer, name, value)
+
+
 def _in_distributed_replica_context():
     return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
 
@@ -173,6 +187,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         # would still move it under Adam or momentum.
         self._gradient_indices = None
         self._window_functions = {}
+        self._fit_continues = False
         # Per thread, because MirroredStrategy runs each replica's step in its own thread.
         self._scoped_counts = threading.local()
 
@@ -271,9 +286,22 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             return loss * tf.cast(scale, loss.dtype)
         return self.inner_optimizer.scale_loss(loss)
 
+    @contextlib.contextmanager
+    def fit_continues(self):
+        """Inside, the end of a ``fit()`` call is not the end of training (a run split into
+        several calls, as a resumed one is): a carried window stays open and EMA is not yet
+        written into the weights."""
+        self._fit_continues = True
+        try:
+            yield
+        finally:
+            self._fit_continues = False
+
     def finalize_variable_values(self, var_list):
         # Keras calls this once at the end of fit(): the last open window is applied (contract E4:
         # never silently lost), before the inner optimizer's EMA overwrite.
+        if self._fit_continues:
+            return
         self.finish_epoch(last=True)
         self.inner_optimizer.finalize_variable_values(var_list)
 
@@ -369,13 +397,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                     lambda fn, *args: distribution.extended.call_for_each_replica(fn, args=args),
                     global_weight,
                     micro_step,
+                    distribution.num_replicas_in_sync,
                 )
 
             tf.distribute.get_replica_context().merge_call(merge_fn, args=(window_closes,))
         else:
-            self._decide(window_closes, lambda fn, *args: fn(*args), None, micro_step)
+            self._decide(window_closes, lambda fn, *args: fn(*args), None, micro_step, 1)
 
-    def _decide(self, closes, in_each_replica, global_weight, micro_step):
+    def _decide(self, closes, in_each_replica, global_weight, micro_step, replicas):
         """``closes``: one boolean; ``in_each_replica(fn, *args)`` runs fn in replica context;
         ``global_weight``: the window's count summed over replicas (None on one device)."""
         apply_now = closes
@@ -406,18 +435,65 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )
         tf.cond(
             apply_now,
-            lambda: in_each_replica(self._apply_window, global_weight),
+            lambda: self._apply_in_replicas(in_each_replica, global_weight, replicas),
             lambda: None,
         )
+
+    def _clips(self):
+        inner = self.inner_optimizer
+        return self.use_agc or any(
+            getattr(inner, name, None) for name in ("clipnorm", "global_clipnorm", "clipvalue")
+        )
+
+    def _apply_in_replicas(self, in_each_replica, global_weight, replicas):
+        """Apply the window. Clipping (AGC, clipnorm, global_clipnorm, clipvalue) must see the
+        gradient summed over replicas, but Keras' optimizers clip each replica's part before
+        their all-reduce: with several replicas and clipping, the window's gradient is reduced
+        and clipped here, in cross-replica context, and handed to every replica."""
+        if global_weight is None or replicas == 1 or not self._clips():
+            in_each_replica(self._apply_window, global_weight)
+            return
+        indices = self._gradient_indices or ()
+        variables = [self._trainable_variables[index] for index in indices]
+        if self.reduction is Reduction.sum:
+            denominator = tf.constant(1.0)
+        elif self._weighted:
+            denominator = global_weight
+        else:
+            # Keras' train_step already divided each replica's gradient by the replica count.
+            denominator = global_weight / replicas
+        grads = [
+            # Read in cross-replica context, the accumulators come summed over replicas.
+            tf.cast(tf.math.divide_no_nan(tf.convert_to_tensor(self._accumulators[index]),
+                                          tf.cast(denominator, self._accumulators[index].dtype)),
+                    variable.dtype)
+            for index, variable in zip(indices, variables)
+        ]
+        if self.use_agc:
+            from gacli.clipping import adaptive_clip_gradients
+
+            grads = adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
+        grads = self.inner_optimizer._clip_gradients(grads)
+        # Each replica passes 1/R of the clipped gradient; the inner all-reduce sums them back.
+        # Clipping is switched off here, once: replicas trace in threads of their own.
+        with _clipping_off(self.inner_optimizer):
+            in_each_replica(self._apply_window, global_weight, [g / replicas for g in grads])
 
     def _skip_window(self):
         self.skipped_windows.assign_add(1)
         self._reset_window()
 
-    def _apply_window(self, global_weight=None):
-        """Update from the open window; ``global_weight``: its count summed over replicas."""
+    def _apply_window(self, global_weight=None, clipped=None):
+        """Update from the open window; ``global_weight``: its count summed over replicas;
+        ``clipped``: this replica's share of the window's gradient, already reduced and clipped."""
         indices = self._gradient_indices or ()
         variables = [self._trainable_variables[index] for index in indices]
+        if clipped is not None:
+            # A copy on this replica's device: the inner all-reduce reads its destination there.
+            clipped = [tf.identity(gradient) for gradient in clipped]
+            self.inner_optimizer.apply(clipped, variables)
+            self._after_update()
+            return
         accumulators = [self._accumulators[index] for index in indices]
         if self.reduction is Reduction.sum:
             denominator = tf.constant(1.0)
@@ -438,6 +514,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
             grads = adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
         self.inner_optimizer.apply(grads, variables)
+        self._after_update()
+
+    def _after_update(self):
         if self.loss_scaling:
             # Grow the scale after dynamic_growth_steps updates without an overflow.
             growth = self.growth_steps + 1
@@ -496,6 +575,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def epoch_end_action(self, last=False):
         """``"apply"``, ``"drop"`` or ``None``: what ``partial_window`` does to an open window at
         an epoch end (``last=True``: the end of training, where a carried window is applied)."""
+        last = last and not self._fit_continues
         if self.partial_window is PartialWindow.apply or (
             last and self.partial_window is PartialWindow.carry
         ):

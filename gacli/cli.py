@@ -8,9 +8,10 @@ errors answer at once.
 
 import os
 import sys
+import time
 from importlib import resources
 
-from gacli.config import ConfigError
+from gacli.config import ConfigError, Interrupted
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
 _SWEEP_DIR = "multirun/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -22,6 +23,7 @@ _HELP = """ga-train: train a Keras model with exact gradient accumulation.
   ga-train config=my_run.yaml                  your own YAML (start it with defaults: [/train, _self_])
   ga-train effective_batch_size=256 micro_batch_size=16     any two of the three batch keys
   ga-train -m accum_steps=1,2,4,8              a sweep (Hydra multirun)
+  ga-train config=unet.yaml resume=true        continue this command's interrupted run
 
 Shipped recipes: {recipes}
 Config groups: model={models}  dataset={datasets}
@@ -78,11 +80,90 @@ def _split_config_argument(argv):
     return config, rest
 
 
+_YES = ("true", "yes", "on", "1")
+_NO = ("false", "no", "off", "0", "null", "none", "")
+_RESULT_FILE = "result.json"  # as gacli.train.RESULT_FILE, without importing TensorFlow
+
+
+def _key(override):
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _same_command(run_dir, assignments):
+    """Whether ``run_dir`` was started with these key=value overrides (in any order)."""
+    from omegaconf import OmegaConf
+
+    path = os.path.join(run_dir, ".hydra", "overrides.yaml")
+    if not os.path.isfile(path):
+        return False
+    started = {o for o in OmegaConf.load(path) if _key(o) not in ("config", "resume")}
+    return started == set(assignments)
+
+
+def _last_unfinished_run(label, assignments):
+    root = os.path.join("outputs", label)
+    runs = sorted(os.listdir(root), reverse=True) if os.path.isdir(root) else []
+    unfinished = [os.path.join(root, run) for run in runs
+                  if not os.path.exists(os.path.join(root, run, _RESULT_FILE))]
+    for run_dir in unfinished:
+        if _same_command(run_dir, assignments):
+            return run_dir
+    listed = "; ".join(unfinished[:3]) or "none"
+    raise ConfigError(
+        f"resume=true found no unfinished run of this command under {root}/ (unfinished runs "
+        f"there: {listed}). Give the run directory instead, e.g. resume={root}/<run>, or start a "
+        "new run without resume=."
+    )
+
+
+def _resolve_resume(overrides, label):
+    """``resume=true`` or ``resume=<run dir>`` becomes that directory, as the run directory too.
+
+    Hydra's own files of the resumed job go to ``.hydra/resumed-<time>`` in it, so that nothing
+    of the first start is overwritten.
+    """
+    chosen = [o for o in overrides if _key(o) == "resume"]
+    rest = [o for o in overrides if _key(o) != "resume"]
+    if not chosen or chosen[-1].split("=", 1)[1].strip().lower() in _NO:
+        return rest
+    value = chosen[-1].split("=", 1)[1].strip()
+    if any(o in ("-m", "--multirun") for o in rest):
+        raise ConfigError(
+            "resume= continues one run, not a sweep; resume a sweep's job on its own with its "
+            "overrides and resume=<its directory>."
+        )
+    given_dir = [o.split("=", 1)[1] for o in rest if _key(o) == "hydra.run.dir"]
+    assignments = [o for o in rest if "=" in o and not o.startswith("-")
+                   and not _key(o).startswith("hydra.")]
+    if value.lower() in _YES:
+        run_dir = given_dir[-1] if given_dir else _last_unfinished_run(label, assignments)
+    else:
+        run_dir = value
+    run_dir = os.path.abspath(os.path.expanduser(run_dir))
+    if not os.path.isdir(run_dir):
+        raise ConfigError(
+            f"resume={value}: {run_dir} is not a directory; give the directory of the run to "
+            "continue (ga-train prints it at start), or resume=true for this command's last one."
+        )
+    if os.path.exists(os.path.join(run_dir, _RESULT_FILE)):
+        raise ConfigError(
+            f"resume={value}: {run_dir} holds a finished run; there is nothing to resume. Start a "
+            "new run without resume=."
+        )
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    return [o for o in rest if _key(o) != "hydra.run.dir"] + [
+        f"resume='{run_dir}'", f"hydra.run.dir='{run_dir}'",
+        f"hydra.output_subdir=.hydra/resumed-{stamp}",
+    ]
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config, overrides = _split_config_argument(argv)
         config_path, config_name, label = locate_config(config)
+        if not any(flag in overrides for flag in ("--help", "-h")):
+            overrides = _resolve_resume(overrides, label)
     except ConfigError as error:
         return _error(error)
     if any(flag in overrides for flag in ("--help", "-h")):
@@ -143,6 +224,9 @@ def _task(cfg):
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         sys.exit(_error(error))
+    except Interrupted as stop:
+        print(f"ga-train: {stop}", file=sys.stderr)
+        sys.exit(stop.exit_code)
     return metrics.get("val_loss", metrics.get("loss"))
 
 

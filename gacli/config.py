@@ -24,6 +24,14 @@ class ConfigError(ValueError):
     """A configuration the user can fix; its message says what to type."""
 
 
+class Interrupted(Exception):
+    """Training stopped on a signal (after a checkpoint); ``exit_code`` is 128 + the signal."""
+
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class Wrapper(str, enum.Enum):
     auto = "auto"
     model = "model"
@@ -126,12 +134,18 @@ class PrecisionConfig:
     nonfinite: Optional[NonFinite] = None  # default skip_micro_batch under mixed_float16
 
 
+class ClusterSource(str, enum.Enum):
+    tf_config = "tf_config"  # the TF_CONFIG environment variable (Kubernetes, most launchers)
+    slurm = "slurm"  # SLURM's environment, through SlurmClusterResolver
+
+
 @dataclass
 class StrategyConfig:
     name: StrategyName = StrategyName.default
     logical_cpus: int = 0  # mirrored on a CPU machine: split the CPU into N logical devices
     devices: List[str] = field(default_factory=list)  # mirrored / one_device: explicit devices
     tpu: str = ""  # tpu: the TPU address ("" = local / from the environment)
+    cluster: ClusterSource = ClusterSource.tf_config  # multi_worker: where the cluster is described
 
 
 @dataclass
@@ -153,6 +167,8 @@ class TrainConfig:
     seed: int = 0
     jit_compile: bool = False
     checkpoint: bool = True  # a checkpoint per epoch in <run dir>/checkpoints, the model at the end
+    checkpoint_every_updates: int = 0  # also a checkpoint every N updates (0: epoch ends only)
+    resume: Optional[str] = None  # true: continue this command's last unfinished run; or its dir
     progress: Progress = Progress.auto
     output_dir: str = MISSING  # set from the Hydra run directory
 
@@ -288,6 +304,21 @@ def validate(cfg, given=()):
         raise ConfigError(
             f"optimizer.learning_rate={cfg.optimizer.learning_rate} must be > 0, "
             "e.g. optimizer.learning_rate=0.001."
+        )
+    if cfg.wrapper == Wrapper.optimizer and cfg.strategy.name == StrategyName.multi_worker:
+        raise ConfigError(
+            "wrapper=optimizer trains a plain keras.Model, whose fit() fails under "
+            "strategy=multi_worker (keras-team/keras#20585); use wrapper=auto (the model wrapper, "
+            "which works around it)."
+        )
+    if cfg.checkpoint_every_updates < 0:
+        raise ConfigError(
+            f"checkpoint_every_updates={cfg.checkpoint_every_updates} must be >= 0 (0: a "
+            "checkpoint at each epoch end only), e.g. checkpoint_every_updates=100."
+        )
+    if cfg.resume and not cfg.checkpoint:
+        raise ConfigError(
+            "resume needs checkpoints, but checkpoint=false; drop checkpoint=false to resume."
         )
     if cfg.strategy.logical_cpus < 0:
         raise ConfigError("strategy.logical_cpus must be >= 0 (0: use the devices as they are).")

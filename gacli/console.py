@@ -74,6 +74,9 @@ class ProgressCallback(keras.callbacks.Callback):
         self._last_line = 0.0
 
     def on_train_begin(self, logs=None):
+        # Called once per fit(); a resumed run's first epoch is a fit() of its own.
+        if self._start is not None:
+            return
         self._start = time.perf_counter()
         if self.mode == ProgressMode.rich:
             self._progress = Progress(
@@ -94,15 +97,20 @@ class ProgressCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._samples += self.plan.global_micro_batch_size * self.model.steps_per_execution
-        if self.mode == ProgressMode.rich:
-            self._progress.update(
-                self._task, completed=int(self.accumulator.optimizer_step.numpy()),
-                micro=int(self.accumulator.micro_step.numpy()), metrics=_format_logs(logs),
-                speed=f"{self._speed():.0f} samples/s",
-            )
+        if self.mode == ProgressMode.rich and time.perf_counter() - self._last_line > 0.1:
+            # Ten refreshes a second at most: reading the counters costs a fast step's time.
+            self._refresh(logs)
         elif self.mode == ProgressMode.plain and time.perf_counter() - self._last_line > 10:
             self._last_line = time.perf_counter()
             self._line(logs)
+
+    def _refresh(self, logs):
+        self._last_line = time.perf_counter()
+        self._progress.update(
+            self._task, completed=int(self.accumulator.optimizer_step.numpy()),
+            micro=int(self.accumulator.micro_step.numpy()), metrics=_format_logs(logs),
+            speed=f"{self._speed():.0f} samples/s",
+        )
 
     def _line(self, logs, prefix=""):
         self.console.print(
@@ -114,11 +122,13 @@ class ProgressCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if self.mode == ProgressMode.rich:
+            self._refresh({k: v for k, v in (logs or {}).items() if not k.startswith("val_")})
             self._progress.update(self._task, epoch=min(epoch + 2, self.epochs))
             self._progress.console.print(f"epoch {epoch + 1}/{self.epochs}  {_format_logs(logs)}")
         elif self.mode == ProgressMode.plain:
             self._line(logs, prefix=f"epoch {epoch + 1}/{self.epochs}  ")
 
-    def on_train_end(self, logs=None):
+    def close(self):
         if self._progress is not None:
             self._progress.stop()
+            self._progress = None

@@ -5,7 +5,7 @@ import os
 
 import tensorflow as tf
 
-from gacli.config import ConfigError, StrategyName
+from gacli.config import ClusterSource, ConfigError, StrategyName
 
 
 def _split_cpu(count):
@@ -45,6 +45,20 @@ def make_strategy(cfg):
             cpus = tf.config.list_logical_devices("CPU")[: cfg.logical_cpus]
             devices = [device.name for device in cpus]
         return tf.distribute.MirroredStrategy(devices)
+    if cfg.name == StrategyName.multi_worker and cfg.cluster == ClusterSource.slurm:
+        if "SLURM_PROCID" not in os.environ:
+            raise ConfigError(
+                "strategy.cluster=slurm reads the cluster from SLURM's environment, which is not "
+                "set: start one ga-train per task with srun (the README has an sbatch script), "
+                "or use strategy.cluster=tf_config with TF_CONFIG."
+            )
+        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
+        # Later readers (is_chief, Keras) see the same cluster as TF_CONFIG.
+        os.environ["TF_CONFIG"] = json.dumps({
+            "cluster": resolver.cluster_spec().as_dict(),
+            "task": {"type": resolver.task_type, "index": resolver.task_id},
+        })
+        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     if cfg.name == StrategyName.multi_worker:
         config = os.environ.get("TF_CONFIG")
         if not config:
@@ -64,6 +78,13 @@ def make_strategy(cfg):
     tf.config.experimental_connect_to_cluster(resolver)
     tf.tpu.experimental.initialize_tpu_system(resolver)
     return tf.distribute.TPUStrategy(resolver)
+
+
+def is_multi_worker(strategy):
+    """Whether ``strategy`` spans several worker processes."""
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
+        strategy.extended._in_multi_worker_mode()
+    )
 
 
 def is_chief():

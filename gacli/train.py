@@ -5,12 +5,15 @@ directly. Batch arithmetic is resolved once (:func:`gacli.config.resolve_batch`)
 and logged.
 """
 
+import contextlib
+import hashlib
 import json
 import logging
 import math
 import os
 
 import keras
+import numpy as np
 from omegaconf import OmegaConf
 
 from gacli.accumulation import GradientAccumulateOptimizer, find_accumulating_optimizer
@@ -22,7 +25,9 @@ from gacli.data import load_dataset
 from gacli.models import build_model
 from gacli.optimizers import build_optimizer
 from gacli.run_logging import TensorBoardLogger, host_memory_bytes
-from gacli.strategy import is_chief, make_strategy
+from gacli.runstate import (CHECKPOINT_DIR, RunCheckpoint, RunState, StopSignals,
+                            micro_batch_stream, scratch_or)
+from gacli.strategy import is_chief, is_multi_worker, make_strategy
 
 RESULT_FILE = "result.json"  # written last: its presence marks a finished run
 _KERAS_POLICY = {
@@ -30,24 +35,6 @@ _KERAS_POLICY = {
     Policy.mixed_float16: "mixed_float16",
     Policy.mixed_bfloat16: "mixed_bfloat16",
 }
-
-
-class EpochCheckpoint(keras.callbacks.Callback):
-    """Saves model, optimizer (accumulators and both counters included) and the epoch after every
-    epoch. TensorFlow writes the data files first and the index last, by rename, so an
-    interrupted save leaves the previous checkpoint intact."""
-
-    def __init__(self, directory, model, max_to_keep=2):
-        super().__init__()
-        import tensorflow as tf
-
-        self.epoch = tf.Variable(0, dtype="int64", trainable=False)
-        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, epoch=self.epoch)
-        self.manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=max_to_keep)
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epoch.assign(epoch + 1)
-        self.manager.save(checkpoint_number=epoch + 1)
 
 
 def choose_wrapper(cfg):
@@ -101,12 +88,51 @@ def _check_fits(model, data):
         )
 
 
-def _guard_run_dir(run_dir):
+# Keys that may differ between a run and its resumption.
+_FREE_ON_RESUME = ("resume", "progress", "output_dir")
+
+
+def _guard_run_dir(cfg, run_dir):
+    """Refuse to write over a finished run, or into an unfinished one without ``resume``."""
     if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
         raise ConfigError(
-            f"{run_dir} holds a finished run, which is never overwritten; leave hydra.run.dir unset "
-            "(each run gets a new directory) or pick a new one."
+            f"{run_dir} holds a finished run, which is never overwritten"
+            + ("; there is nothing to resume. " if cfg.resume else ". ")
+            + "Leave hydra.run.dir unset (each run gets a new directory) or pick a new one."
         )
+    checkpoints = os.path.join(run_dir, CHECKPOINT_DIR)
+    if not cfg.resume and os.path.exists(os.path.join(checkpoints, "checkpoint")):
+        raise ConfigError(
+            f"{run_dir} holds an unfinished run; continue it with resume={run_dir} (or the same "
+            "command with resume=true), or leave hydra.run.dir unset to start a new run."
+        )
+    resolved = os.path.join(run_dir, "resolved.yaml")
+    if cfg.resume and os.path.exists(resolved):
+        before = OmegaConf.to_container(OmegaConf.load(resolved))
+        now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        changed = _differences(
+            {k: v for k, v in before.items() if k not in _FREE_ON_RESUME + ("resolved",)},
+            {k: v for k, v in now.items() if k not in _FREE_ON_RESUME},
+        )
+        if changed:
+            shown = ", ".join(f"{key}={old!r} (now {new!r})" for key, old, new in changed[:4])
+            raise ConfigError(
+                f"resume: {run_dir} was started with {shown}; a resumed run must use the settings "
+                f"it started with ({resolved}). Drop those overrides, or start a new run without "
+                "resume=."
+            )
+
+
+def _differences(before, now, prefix=""):
+    """[(dotted key, before, now)] where two nested dicts differ."""
+    changed = []
+    for key in sorted(set(before) | set(now)):
+        old, new = before.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += _differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changed.append((f"{prefix}{key}", old, new))
+    return changed
 
 
 def train(cfg, run_dir, given=(), parallel_jobs=False):
@@ -123,7 +149,7 @@ def train(cfg, run_dir, given=(), parallel_jobs=False):
     """
     console = make_console()
     console.print(f"run directory: {run_dir}", soft_wrap=True)
-    _guard_run_dir(run_dir)
+    _guard_run_dir(cfg, run_dir)
     os.makedirs(run_dir, exist_ok=True)
     strategy = make_strategy(cfg.strategy)
     plan = resolve_batch(cfg.micro_batch_size, cfg.accum_steps, cfg.effective_batch_size,
@@ -141,15 +167,10 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     for name in ("absl", "tensorflow"):
         logging.getLogger(name).setLevel(logging.WARNING)
     data = load_dataset(cfg.dataset, cfg.seed)
-    train_data = data.train
-    if cfg.dataset.shuffle:
-        train_data = train_data.shuffle(min(data.train_size, 10_000), seed=cfg.seed)
-    train_data = train_data.batch(plan.global_micro_batch_size)
     micro_batches = math.ceil(data.train_size / plan.global_micro_batch_size)
     if cfg.steps_per_epoch:
         updates_per_epoch = cfg.steps_per_epoch
         fit_steps = cfg.steps_per_epoch * plan.accum_steps
-        train_data = train_data.repeat()
     elif cfg.partial_window == PartialWindow.drop:
         updates_per_epoch = micro_batches // plan.accum_steps
         fit_steps = None
@@ -160,6 +181,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     else:
         updates_per_epoch = math.ceil(micro_batches / plan.accum_steps)
         fit_steps = None
+    epoch_length = fit_steps or micro_batches  # micro-batches per epoch
     validation = None
     if data.validation is not None:
         validation = data.validation.batch(plan.global_micro_batch_size)
@@ -205,7 +227,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         "learning rate": f"{inner.learning_rate.numpy():.3g} at update 0",
     }
     startup_panel(console, cfg, plan, facts)
-    if chief:
+    if chief and not os.path.exists(os.path.join(run_dir, "resolved.yaml")):
         resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         resolved["resolved"] = {
             "micro_batch_size": plan.micro_batch_size, "accum_steps": plan.accum_steps,
@@ -229,18 +251,65 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         }
         callbacks.append(TensorBoardLogger(os.path.join(run_dir, "tensorboard"), plan,
                                            accumulator, hparams))
-        if cfg.checkpoint:
-            callbacks.append(EpochCheckpoint(os.path.join(run_dir, "checkpoints"), model))
-    history = model.fit(train_data, validation_data=validation, epochs=cfg.epochs,
-                        steps_per_epoch=fit_steps, verbose=0, callbacks=callbacks,
-                        shuffle=False)  # the tf.data pipeline shuffles
-    final = {key: float(values[-1]) for key, values in history.history.items()}
+    state = RunState(model, run_dir, chief)
+    position = (0, 0)
+    if cfg.resume:
+        with strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+        restored = state.restore()
+        if restored is None:
+            console.print(f"resume: no checkpoint in {run_dir} yet; starting from the beginning")
+        else:
+            position = restored
+            console.print(
+                f"resume: from epoch {position[0] + 1}, micro-batch {position[1]} of it (update "
+                f"{int(accumulator.optimizer_step.numpy())}, micro-step "
+                f"{int(accumulator.micro_step.numpy())})"
+            )
+    hint = f"To continue, run the same command with resume=true, or resume={run_dir}."
+    run_checkpoint = RunCheckpoint(state, accumulator, StopSignals(), hint,
+                                   cfg.checkpoint_every_updates, save=cfg.checkpoint,
+                                   multi_worker=is_multi_worker(strategy))
+    callbacks.append(run_checkpoint)
+    history = {}
+    try:
+        with run_checkpoint.signals:
+            for first, end, steps, offset in _segments(position, epoch_length, cfg.epochs):
+                stream = micro_batch_stream(
+                    data.train, plan.global_micro_batch_size, micro_batches,
+                    start=first * epoch_length + offset, count=steps * (end - first),
+                    shuffle_seed=cfg.seed if cfg.dataset.shuffle else None,
+                    buffer_size=min(data.train_size, 10_000),
+                )
+                run_checkpoint.start_segment(first, offset)
+                # A resumed epoch is a fit() of its own: its end is not the run's end.
+                last = end == cfg.epochs
+                with contextlib.nullcontext() if last else accumulator.fit_continues():
+                    segment = model.fit(stream, validation_data=validation, initial_epoch=first,
+                                        epochs=end, steps_per_epoch=steps, verbose=0,
+                                        callbacks=callbacks, shuffle=False)
+                for key, values in segment.history.items():
+                    history.setdefault(key, []).extend(values)
+        if not history:
+            # Resumed after the last epoch's checkpoint: only the end of training is left.
+            model.optimizer.finalize_variable_values(model.trainable_variables)
+    finally:
+        for callback in callbacks:
+            if hasattr(callback, "close"):
+                callback.close()
+        state.close()
+    final = {key: float(values[-1]) for key, values in history.items()}
+    # Equal on every worker of a run, and across runs that trained the same way.
+    fingerprint = hashlib.sha256(
+        b"".join(np.ascontiguousarray(weight).tobytes() for weight in model.get_weights())
+    ).hexdigest()[:16]
+    if cfg.checkpoint:
+        # Every worker saves (reading the accumulators is a collective); only the chief keeps it.
+        model.save(scratch_or(os.path.join(run_dir, "model.keras"), chief))
     if chief:
-        if cfg.checkpoint:
-            model.save(os.path.join(run_dir, "model.keras"))
         result = dict(final, optimizer_step=int(accumulator.optimizer_step.numpy()),
                       micro_step=int(accumulator.micro_step.numpy()),
-                      effective_batch_size=plan.effective_batch_size,
+                      effective_batch_size=plan.effective_batch_size, weights_sha256=fingerprint,
                       host_peak_rss_bytes=host_memory_bytes()[1])
         temporary = os.path.join(run_dir, RESULT_FILE + ".tmp")
         with open(temporary, "w") as handle:
@@ -251,6 +320,20 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         f"{int(accumulator.optimizer_step.numpy())} / {int(accumulator.micro_step.numpy())}"
     )
     rows["effective batch"] = plan.effective_batch_size
+    rows["weights sha256"] = fingerprint
     summary_table(console, rows)
     console.print(f"run directory: {run_dir}", soft_wrap=True)
     return final
+
+
+def _segments(position, epoch_length, epochs):
+    """fit() calls from ``position`` = (epoch, micro-batches done in it) to the end of training:
+    [(first epoch, end epoch, micro-batches per epoch, micro-batches skipped in the first)]."""
+    epoch, done = position
+    segments = []
+    if done:
+        segments.append((epoch, epoch + 1, epoch_length - done, done))
+        epoch += 1
+    if epoch < epochs:
+        segments.append((epoch, epochs, epoch_length, 0))
+    return segments

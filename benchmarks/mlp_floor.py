@@ -1,0 +1,115 @@
+"""How fast can accumulation at micro-batch 32 be, next to one batch of 256? (MLP 784-512-256-10)
+
+The issue's MLP target asks gacli for >= 0.75x the samples/s of plain fit at the big batch (B).
+This profile takes fit(), callbacks and tf.data out of the picture and times, inside compiled
+functions, only the arithmetic every accumulation must do:
+
+  big      one forward/backward pass over 256 samples and one SGD update (B's work)
+  fused    8 forward/backward passes over 32 samples each, summed, one update, all in ONE call:
+           the best any accumulation can do, with no per-micro-batch dispatch at all
+  per-call one forward/backward pass over 32 samples per call, 8 calls, then an update
+           (what fit() at the micro-batch does, minus Keras' own per-step work)
+
+    python benchmarks/mlp_floor.py [--jit] [--repeats 7]
+
+It prints the median time per sample of each and fused/big: if that ratio is below 0.75, no
+accumulation that runs the micro-batches one after the other reaches the target on this machine;
+the gap is the matrix multiplications' efficiency at 32 rows against 256.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+MICRO, K = 32, 8
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((784,))
+    hidden = keras.layers.Dense(512, activation="relu")(inputs)
+    hidden = keras.layers.Dense(256, activation="relu")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(10)(hidden))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jit", action="store_true", help="compile with XLA")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--windows", type=int, default=40, help="windows of 256 per repeat")
+    args = parser.parse_args()
+
+    model = build()
+    optimizer = keras.optimizers.SGD(0.01)
+    optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    accumulators = [tf.Variable(tf.zeros_like(v)) for v in model.trainable_variables]
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(MICRO * K, 784)).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, size=MICRO * K).astype("int32"))
+
+    def gradients(x_part, y_part):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y_part, model(x_part, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+
+    @tf.function(jit_compile=args.jit)
+    def big():
+        optimizer.apply(gradients(x, y), model.trainable_variables)
+
+    @tf.function(jit_compile=args.jit)
+    def fused():
+        total = None
+        for index in range(K):
+            part = gradients(x[index * MICRO:(index + 1) * MICRO],
+                             y[index * MICRO:(index + 1) * MICRO])
+            total = part if total is None else [a + b for a, b in zip(total, part)]
+        optimizer.apply([g / K for g in total], model.trainable_variables)
+
+    @tf.function(jit_compile=args.jit)
+    def micro_step(index):
+        start = index * MICRO
+        part = gradients(x[start:start + MICRO], y[start:start + MICRO])
+        for accumulator, gradient in zip(accumulators, part):
+            accumulator.assign_add(gradient)
+
+    @tf.function(jit_compile=args.jit)
+    def apply_window():
+        optimizer.apply([a / K for a in accumulators], model.trainable_variables)
+        for accumulator in accumulators:
+            accumulator.assign(tf.zeros_like(accumulator))
+
+    def per_call():
+        for index in range(K):
+            micro_step(tf.constant(index))
+        apply_window()
+
+    variants = {"big": big, "fused": fused, "per-call": per_call}
+    for run in variants.values():  # trace and warm up
+        run()
+    times = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, run in variants.items():  # interleaved
+            start = time.perf_counter()
+            for _ in range(args.windows):
+                run()
+            model.trainable_variables[0].numpy()  # wait for the last step
+            times[name].append((time.perf_counter() - start) / (args.windows * MICRO * K))
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    print(f"MLP 784-512-256-10, micro {MICRO} x {K} vs batch {MICRO * K}, jit_compile={args.jit},"
+          f" {args.repeats} interleaved repeats of {args.windows} windows")
+    for name, value in medians.items():
+        print(f"  {name:9s} {value * 1e6:8.1f} us/sample   {medians['big'] / value:5.2f}x big")
+    print(f"fused / big samples/s: {medians['big'] / medians['fused']:.2f} "
+          "(the ceiling for accumulation at micro-batch 32 on this machine)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""benchmarks/bench.py runs end to end on tiny models and writes its three reports.
+
+Only the structure is checked: speed targets are measured by a full run, never asserted in tests.
+"""
+
+import json
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+CONFIGS = ["A", "gacli_model", "ga_train"]  # a library path, the model wrapper and the CLI
+
+
+@pytest.mark.slow
+def test_quick_benchmark_writes_table_json_and_chart(tmp_path):
+    command = [sys.executable, str(BENCH), "--quick", "--reps", "1", "--models", "mlp", "--jit",
+               "off", "--configs", *CONFIGS, "--results-dir", str(tmp_path), "--out", "smoke"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    raw = json.loads((tmp_path / "smoke.json").read_text())
+    assert [run["config"] for run in sorted(raw["runs"], key=lambda r: r["config"])] == sorted(
+        CONFIGS)
+    for run in raw["runs"]:
+        assert run["status"] == "ok", run.get("error")
+        assert run["samples"] == raw["runs"][0]["samples"]  # equal work in the timed window
+        assert run["params"] == raw["runs"][0]["params"]
+        assert run["peak_rss_bytes"] > 0 and run["wall_s"] > 0
+    spec = raw["meta"]["models"]["mlp"]
+    updates = {run["config"]: run["updates_in_window"] for run in raw["runs"]}
+    assert updates == {"A": spec["measure_updates"] * spec["accum_steps"],
+                       "gacli_model": spec["measure_updates"], "ga_train": spec["measure_updates"]}
+    assert sorted(s["kind"] for s in raw["startup"]) == ["config_error", "help"]
+    assert {s["kind"]: s["returncode"] for s in raw["startup"]} == {"help": 0, "config_error": 2}
+
+    table = (tmp_path / "smoke.md").read_text()
+    assert "| ga-train (CLI) |" in table and "| gacli wrap_model |" in table
+    assert "## Targets" in table and "MLP, jit off: gacli samples/s >= 0.75x B" in table
+    assert "ga-train --help < 2 s" in table
+    if find_spec("matplotlib") is not None:
+        assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "pip install -e '.[benchmark]'" in done.stderr

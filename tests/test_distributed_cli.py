@@ -1,0 +1,119 @@
+"""ga-train distributed (D1, D3): MirroredStrategy with 1 and 2 replicas, and
+MultiWorkerMirroredStrategy with two worker processes on 127.0.0.1 (TF_CONFIG), end with the
+weights of one device's big-batch run; the two workers end identical and only the chief writes.
+D2: with k=8 the workers exchange at most a quarter of the bytes they exchange with k=1."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import MEASURED
+from test_cli import run_dir_of
+from test_resume import difference
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCHMARKS = os.path.join(HERE, os.pardir, "benchmarks")
+BYTES_SCRIPT = os.path.join(BENCHMARKS, "allreduce_bytes.py")
+sys.path.insert(0, BENCHMARKS)
+from allreduce_bytes import free_ports  # noqa: E402
+
+# Global micro-batches of 32 (16 per worker), k=4: windows of 128; the digits' training split
+# (1438 samples) ends each epoch with a short window of 30 samples.
+WORKER_JOB = ("optimizer=momentum", "optimizer.learning_rate=0.05", "epochs=2",
+              "progress=plain", "micro_batch_size=16", "accum_steps=4")
+BIG_BATCH_JOB = ("optimizer=momentum", "optimizer.learning_rate=0.05", "epochs=2",
+                 "progress=plain", "micro_batch_size=128", "accum_steps=1")
+
+
+def tf_config(ports, index):
+    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
+                       "task": {"type": "worker", "index": index}})
+
+
+def ga_train_command():
+    return [os.path.join(os.path.dirname(sys.executable), "ga-train")]
+
+
+def run_workers(command, cwd, count=2, timeout=600):
+    """Start ``count`` workers of one cluster; [(exit code, output)] in worker order."""
+    ports = free_ports(count)
+    environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    processes = [
+        subprocess.Popen(command(index), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=dict(environment, TF_CPP_MIN_LOG_LEVEL="3",
+                                             TF_CONFIG=tf_config(ports, index)))
+        for index in range(count)
+    ]
+    return [(process.wait(timeout=timeout), process.communicate()[0]) for process in processes]
+
+
+def fingerprint(output):
+    return re.search(r"weights sha256\s*│\s*([0-9a-f]{16})", output).group(1)
+
+
+@pytest.fixture(scope="module")
+def big_batch_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("big_batch")
+    result = subprocess.run(ga_train_command() + [*BIG_BATCH_JOB, f"hydra.run.dir={cwd / 'run'}"],
+                            cwd=cwd, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return run_dir_of(result.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_ga_train_mirrored_matches_big_batch(tmp_path, big_batch_run, replicas):
+    # Per replica micro-batches of 32 / replicas: global micro-batches of 32 either way.
+    job = [a for a in WORKER_JOB if not a.startswith("micro_batch_size")]
+    result = subprocess.run(
+        ga_train_command() + [*job, f"micro_batch_size={32 // replicas}", "strategy=mirrored",
+                              f"strategy.logical_cpus={replicas}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"({replicas} replica" in result.stdout
+    measured = difference(run_dir_of(result.stdout), big_batch_run)
+    MEASURED.setdefault(f"test_ga_train_mirrored[{replicas} replicas vs big batch]",
+                        []).append(measured)
+    assert measured <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ga_train_multi_worker_matches_big_batch_and_only_the_chief_writes(tmp_path,
+                                                                        big_batch_run):
+    results = run_workers(
+        lambda index: ga_train_command() + [*WORKER_JOB, "strategy=multi_worker",
+                                            f"hydra.run.dir={tmp_path / f'worker{index}'}"],
+        cwd=tmp_path,
+    )
+    for code, output in results:
+        assert code == 0, output[-4000:]
+    chief_dir, other_dir = (run_dir_of(output) for _, output in results)
+    assert fingerprint(results[0][1]) == fingerprint(results[1][1])
+    for name in ("tensorboard", "checkpoints", "model.keras", "result.json", "resolved.yaml"):
+        assert os.path.exists(os.path.join(chief_dir, name)), name
+        assert not os.path.exists(os.path.join(other_dir, name)), name
+    measured = difference(chief_dir, big_batch_run)
+    MEASURED.setdefault("test_ga_train_multi_worker (2 workers vs big batch)", []).append(measured)
+    assert measured <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_d2_one_all_reduce_per_window_in_bytes(tmp_path):
+    """Bytes on the loopback interface for the same micro-batches, k=1 vs k=8 (2 workers)."""
+    result = subprocess.run([sys.executable, BYTES_SCRIPT, "--quick", "--json"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    ratio = measured["gacli"]["8"]["bytes"] / measured["gacli"]["1"]["bytes"]
+    MEASURED.setdefault("test_d2 bytes ratio k=8 / k=1", []).append(ratio)
+    assert ratio <= 0.25, measured

@@ -1,0 +1,130 @@
+"""Contract row C5 for ga-train: a run killed (-9) or preempted (SIGTERM) and resumed ends with
+the weights of an uninterrupted run; run directories are never overwritten."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import MEASURED
+from test_cli import ga_train, run_dir_of
+
+# The default job, shortened; a checkpoint every 3 updates lands inside epochs (45 micro-batches,
+# 12 updates each), so a kill usually resumes from the middle of an epoch and of a window.
+JOB = ("epochs=3", "progress=plain", "checkpoint_every_updates=3", "accum_steps=4")
+
+
+def final_weights(run_dir):
+    import keras
+
+    import gacli.accumulate_model  # noqa: F401  (registers the classes model.keras refers to)
+
+    return keras.saving.load_model(os.path.join(run_dir, "model.keras")).get_weights()
+
+
+def difference(run_a, run_b):
+    return max(float(np.max(np.abs(a - b)))
+               for a, b in zip(final_weights(run_a), final_weights(run_b)))
+
+
+def start_and_interrupt(cwd, number, arguments=JOB):
+    """Start ga-train, wait for its first checkpoint, send ``number``; (exit code, output)."""
+    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *arguments]
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    environment.pop("HYDRA_FULL_ERROR", None)
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=environment)
+    deadline = time.time() + 300
+    while not glob.glob(os.path.join(cwd, "outputs", "default", "*", "checkpoints", "checkpoint")):
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0]
+        time.sleep(0.05)
+    process.send_signal(number)
+    output = process.communicate(timeout=300)[0]
+    return process.returncode, output
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    code, output = ga_train(*JOB, cwd=cwd)
+    assert code == 0, output
+    return run_dir_of(output)
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_equals_uninterrupted_run(tmp_path, uninterrupted):
+    code, output = start_and_interrupt(tmp_path, signal.SIGKILL)
+    assert code == -signal.SIGKILL, output
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "outputs", "default", "*"))
+    assert not os.path.exists(os.path.join(run_dir, "result.json"))
+    first_start = open(os.path.join(run_dir, ".hydra", "config.yaml")).read()
+
+    code, output = ga_train(*JOB, "resume=true", cwd=tmp_path)
+    assert code == 0, output
+    assert run_dir_of(output) == run_dir
+    assert "resume: from epoch" in output, output
+    # Nothing of the first start is overwritten: Hydra's files of the resumed job go aside.
+    assert open(os.path.join(run_dir, ".hydra", "config.yaml")).read() == first_start
+    assert glob.glob(os.path.join(run_dir, ".hydra", "resumed-*", "config.yaml"))
+    measured = difference(run_dir, uninterrupted)
+    MEASURED.setdefault("test_kill_9_then_resume", []).append(measured)
+    assert measured <= 1e-6
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, uninterrupted):
+    code, output = start_and_interrupt(tmp_path, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, output
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "outputs", "default", "*"))
+    assert "stopped by SIGTERM" in output and "checkpoint saved" in output, output
+    assert f"resume={run_dir}" in output and "resume=true" in output, output
+    assert "Traceback" not in output, output
+
+    code, output = ga_train(*JOB, f"resume={run_dir}", cwd=tmp_path)
+    assert code == 0, output
+    measured = difference(run_dir, uninterrupted)
+    MEASURED.setdefault("test_sigterm_then_resume", []).append(measured)
+    assert measured <= 1e-6
+
+    # Finished: a later run never writes into it, with or without resume.
+    for extra in (("resume=true",), (f"hydra.run.dir={run_dir}",)):
+        code, output = ga_train(*JOB, *extra, cwd=tmp_path)
+        assert code == 2 and "Traceback" not in output, output
+        assert "finished run" in output or "no unfinished run" in output, output
+
+
+def test_resume_errors_say_what_to_type(tmp_path):
+    code, output = ga_train("resume=true", cwd=tmp_path)
+    assert code == 2 and "no unfinished run of this command" in output, output
+    assert "resume=outputs/default/<run>" in output, output
+    code, output = ga_train(f"resume={tmp_path / 'missing'}", cwd=tmp_path)
+    assert code == 2 and "is not a directory" in output, output
+    code, output = ga_train("-m", "accum_steps=1,2", "resume=true", cwd=tmp_path)
+    assert code == 2 and "not a sweep" in output, output
+    code, output = ga_train("checkpoint_every_updates=-1", cwd=tmp_path)
+    assert code == 2 and "checkpoint_every_updates=100" in output, output
+    code, output = ga_train(f"resume={tmp_path}", "checkpoint=false", cwd=tmp_path)
+    assert code == 2 and "drop checkpoint=false" in output, output
+    code, output = ga_train("wrapper=optimizer", "strategy=multi_worker", cwd=tmp_path)
+    assert code == 2 and "use wrapper=auto" in output, output
+
+
+@pytest.mark.slow
+def test_an_unfinished_run_is_resumed_with_its_own_settings_only(tmp_path):
+    code, output = start_and_interrupt(tmp_path, signal.SIGKILL)
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "outputs", "default", "*"))
+    # Started again without resume=, into the same directory: refused, with the way to resume.
+    code, output = ga_train(*JOB, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert code == 2 and f"resume={run_dir}" in output, output
+    # With other settings: refused, naming the setting.
+    code, output = ga_train("epochs=3", "progress=plain", "checkpoint_every_updates=3",
+                            "accum_steps=8", f"resume={run_dir}", cwd=tmp_path)
+    assert code == 2 and "accum_steps=4 (now 8)" in output, output
+    # resume=true looks for a run of the same command only.
+    code, output = ga_train("accum_steps=8", "resume=true", cwd=tmp_path)
+    assert code == 2 and "no unfinished run" in output, output
+    assert os.path.basename(run_dir) in output, output

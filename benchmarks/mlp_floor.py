@@ -5,8 +5,10 @@ This profile takes fit(), callbacks and tf.data out of the picture and times, in
 functions, only the arithmetic every accumulation must do:
 
   big      one forward/backward pass over 256 samples and one SGD update (B's work)
-  fused    8 forward/backward passes over 32 samples each, summed, one update, all in ONE call:
-           the best any accumulation can do, with no per-micro-batch dispatch at all
+  fused    8 forward/backward passes over 32 samples each, summed, one update, all in ONE call
+           (unrolled: TensorFlow may run the 8 passes side by side, holding all their activations)
+  looped   the same in a tf.while_loop that runs one micro-batch at a time (parallel_iterations=1):
+           in-graph accumulation that keeps the memory of one micro-batch
   per-call one forward/backward pass over 32 samples per call, 8 calls, then an update
            (what fit() at the micro-batch does, minus Keras' own per-step work)
 
@@ -74,6 +76,18 @@ def main():
         optimizer.apply([g / K for g in total], model.trainable_variables)
 
     @tf.function(jit_compile=args.jit)
+    def looped():
+        def body(index, total):
+            start = index * MICRO
+            part = gradients(x[start:start + MICRO], y[start:start + MICRO])
+            return index + 1, [a + b for a, b in zip(total, part)]
+
+        zeros = [tf.zeros_like(v) for v in model.trainable_variables]
+        _, total = tf.while_loop(lambda index, _: index < K, body, (tf.constant(0), zeros),
+                                 parallel_iterations=1)
+        optimizer.apply([g / K for g in total], model.trainable_variables)
+
+    @tf.function(jit_compile=args.jit)
     def micro_step(index):
         start = index * MICRO
         part = gradients(x[start:start + MICRO], y[start:start + MICRO])
@@ -91,7 +105,7 @@ def main():
             micro_step(tf.constant(index))
         apply_window()
 
-    variants = {"big": big, "fused": fused, "per-call": per_call}
+    variants = {"big": big, "fused": fused, "looped": looped, "per-call": per_call}
     for run in variants.values():  # trace and warm up
         run()
     times = {name: [] for name in variants}

@@ -117,3 +117,22 @@ def test_d2_one_all_reduce_per_window_in_bytes(tmp_path):
     ratio = measured["gacli"]["8"]["bytes"] / measured["gacli"]["1"]["bytes"]
     MEASURED.setdefault("test_d2 bytes ratio k=8 / k=1", []).append(ratio)
     assert ratio <= 0.25, measured
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_library_multi_worker_fit_and_custom_loop_match_big_batch(tmp_path):
+    """D1/D3 for the library under MultiWorkerMirroredStrategy: the model wrapper in fit() and
+    the optimizer wrapper in a custom loop, ragged data, two worker processes."""
+    script = os.path.join(HERE, "multiworker_cases.py")
+    results = run_workers(lambda index: [sys.executable, script], cwd=tmp_path)
+    measured = []
+    for code, output in results:
+        assert code == 0, output[-4000:]
+        line = next(line for line in output.splitlines() if line.startswith("RESULTS "))
+        measured.append(json.loads(line[len("RESULTS "):]))
+    chief, other = measured
+    for case in ("fit-model-wrapper", "custom-loop"):
+        assert chief[f"{case}-digest"] == other[f"{case}-digest"], case
+        MEASURED.setdefault(f"test_library_multi_worker[{case}]", []).append(chief[case])
+        assert chief[case] <= 1e-6, case

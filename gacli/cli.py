@@ -83,6 +83,7 @@ def _split_config_argument(argv):
 _YES = ("true", "yes", "on", "1")
 _NO = ("false", "no", "off", "0", "null", "none", "")
 _RESULT_FILE = "result.json"  # as gacli.train.RESULT_FILE, without importing TensorFlow
+_FREE_ON_RESUME = ("resume", "progress")  # keys a resumed run may change
 
 
 def _key(override):
@@ -96,8 +97,9 @@ def _same_command(run_dir, assignments):
     path = os.path.join(run_dir, ".hydra", "overrides.yaml")
     if not os.path.isfile(path):
         return False
-    started = {o for o in OmegaConf.load(path) if _key(o) not in ("config", "resume")}
-    return started == set(assignments)
+    free = ("config",) + _FREE_ON_RESUME
+    started = {o for o in OmegaConf.load(path) if _key(o) not in free}
+    return started == {o for o in assignments if _key(o) not in free}
 
 
 def _last_unfinished_run(label, assignments):
@@ -135,6 +137,12 @@ def _resolve_resume(overrides, label):
     given_dir = [o.split("=", 1)[1] for o in rest if _key(o) == "hydra.run.dir"]
     assignments = [o for o in rest if "=" in o and not o.startswith("-")
                    and not _key(o).startswith("hydra.")]
+    if value.lower() in _YES and not given_dir and "strategy=multi_worker" in assignments:
+        raise ConfigError(
+            "resume=true cannot tell the workers' run directories apart (only the chief's holds "
+            "the checkpoints); give every worker the chief's: resume=<chief's run dir>, on storage "
+            "all workers read."
+        )
     if value.lower() in _YES:
         run_dir = given_dir[-1] if given_dir else _last_unfinished_run(label, assignments)
     else:

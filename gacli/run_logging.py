@@ -102,6 +102,10 @@ class TensorBoardLogger(keras.callbacks.Callback):
             ))
         self._last_step = int(self.accumulator.optimizer_step.numpy())
         self._last_time = time.perf_counter()
+        # A run resumed in the middle of a window has that window's micro-batches behind it.
+        # (A plain model's fit() builds the optimizer in its first step: no window yet.)
+        if self.accumulator.built:
+            self._micro_batches_since = int(self.accumulator.window_micro_steps.numpy())
 
     def on_train_batch_end(self, batch, logs=None):
         # Samples of this call (steps_per_execution micro-batches over all replicas; the last

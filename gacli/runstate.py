@@ -167,6 +167,10 @@ class RunCheckpoint(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.done = self.offset + batch + 1
+        if batch + 1 >= self.params.get("steps", batch + 2):
+            # The epoch's last micro-batch: its window closes, validation runs and the position
+            # becomes (next epoch, 0) in on_epoch_end, which saves and stops there.
+            return
         if self.signals.received is not None:
             self._stop()
         if self.save and self.every_updates:

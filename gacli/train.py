@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import shutil
 
 import keras
 import numpy as np
@@ -305,7 +306,10 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     ).hexdigest()[:16]
     if cfg.checkpoint:
         # Every worker saves (reading the accumulators is a collective); only the chief keeps it.
-        model.save(scratch_or(os.path.join(run_dir, "model.keras"), chief))
+        path = scratch_or(os.path.join(run_dir, "model.keras"), chief)
+        model.save(path)
+        if not chief:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     if chief:
         result = dict(final, optimizer_step=int(accumulator.optimizer_step.numpy()),
                       micro_step=int(accumulator.micro_step.numpy()),
@@ -330,6 +334,8 @@ def _segments(position, epoch_length, epochs):
     """fit() calls from ``position`` = (epoch, micro-batches done in it) to the end of training:
     [(first epoch, end epoch, micro-batches per epoch, micro-batches skipped in the first)]."""
     epoch, done = position
+    if done >= epoch_length:  # saved after an epoch's last micro-batch: the next epoch is next
+        epoch, done = epoch + 1, 0
     segments = []
     if done:
         segments.append((epoch, epoch + 1, epoch_length - done, done))

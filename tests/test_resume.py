@@ -63,7 +63,9 @@ def test_kill_9_then_resume_equals_uninterrupted_run(tmp_path, uninterrupted):
     assert not os.path.exists(os.path.join(run_dir, "result.json"))
     first_start = open(os.path.join(run_dir, ".hydra", "config.yaml")).read()
 
-    code, output = ga_train(*JOB, "resume=true", cwd=tmp_path)
+    # The same command, with another progress display (free to change on resume).
+    resumed = [a for a in JOB if not a.startswith("progress=")] + ["progress=none"]
+    code, output = ga_train(*resumed, "resume=true", cwd=tmp_path)
     assert code == 0, output
     assert run_dir_of(output) == run_dir
     assert "resume: from epoch" in output, output
@@ -111,6 +113,18 @@ def test_resume_errors_say_what_to_type(tmp_path):
     assert code == 2 and "drop checkpoint=false" in output, output
     code, output = ga_train("wrapper=optimizer", "strategy=multi_worker", cwd=tmp_path)
     assert code == 2 and "use wrapper=auto" in output, output
+    code, output = ga_train("strategy=multi_worker", "resume=true", cwd=tmp_path)
+    assert code == 2 and "resume=<chief's run dir>" in output, output
+
+
+def test_a_checkpoint_after_an_epochs_last_micro_batch_resumes_at_the_next_epoch():
+    from gacli.train import _segments
+
+    # (epoch, micro-batches done) -> fit() calls: (first epoch, end, steps per epoch, skipped)
+    assert _segments((0, 0), 10, 3) == [(0, 3, 10, 0)]
+    assert _segments((1, 4), 10, 3) == [(1, 2, 6, 4), (2, 3, 10, 0)]
+    assert _segments((1, 10), 10, 3) == [(2, 3, 10, 0)]
+    assert _segments((2, 10), 10, 3) == []
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import sys
 import time
 from importlib import resources
 
-from gacli.config import ConfigError, Interrupted
+from gacli.config import FREE_ON_RESUME, RESULT_FILE, ConfigError, Interrupted
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
 _SWEEP_DIR = "multirun/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -82,8 +82,6 @@ def _split_config_argument(argv):
 
 _YES = ("true", "yes", "on", "1")
 _NO = ("false", "no", "off", "0", "null", "none", "")
-_RESULT_FILE = "result.json"  # as gacli.train.RESULT_FILE, without importing TensorFlow
-_FREE_ON_RESUME = ("resume", "progress")  # keys a resumed run may change
 
 
 def _key(override):
@@ -97,7 +95,7 @@ def _same_command(run_dir, assignments):
     path = os.path.join(run_dir, ".hydra", "overrides.yaml")
     if not os.path.isfile(path):
         return False
-    free = ("config",) + _FREE_ON_RESUME
+    free = ("config",) + FREE_ON_RESUME
     started = {o for o in OmegaConf.load(path) if _key(o) not in free}
     return started == {o for o in assignments if _key(o) not in free}
 
@@ -106,7 +104,7 @@ def _last_unfinished_run(label, assignments):
     root = os.path.join("outputs", label)
     runs = sorted(os.listdir(root), reverse=True) if os.path.isdir(root) else []
     unfinished = [os.path.join(root, run) for run in runs
-                  if not os.path.exists(os.path.join(root, run, _RESULT_FILE))]
+                  if not os.path.exists(os.path.join(root, run, RESULT_FILE))]
     for run_dir in unfinished:
         if _same_command(run_dir, assignments):
             return run_dir
@@ -153,7 +151,7 @@ def _resolve_resume(overrides, label):
             f"resume={value}: {run_dir} is not a directory; give the directory of the run to "
             "continue (ga-train prints it at start), or resume=true for this command's last one."
         )
-    if os.path.exists(os.path.join(run_dir, _RESULT_FILE)):
+    if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
         raise ConfigError(
             f"resume={value}: {run_dir} holds a finished run; there is nothing to resume. Start a "
             "new run without resume=."

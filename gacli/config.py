@@ -20,6 +20,10 @@ from gacli.options import BatchNormPolicy, NonFinite, PartialWindow
 # its name: optimizer.name=adam must find OptimizerName.adam (see gacli.options).
 
 
+RESULT_FILE = "result.json"  # written last into a run directory: its presence marks a finished run
+FREE_ON_RESUME = ("resume", "progress", "output_dir")  # keys a resumed run may change
+
+
 class ConfigError(ValueError):
     """A configuration the user can fix; its message says what to type."""
 

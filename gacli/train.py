@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 from gacli.accumulation import GradientAccumulateOptimizer, find_accumulating_optimizer
 from gacli.accumulate_model import WindowCallback, wrap_model
 from gacli.batchnorm import apply_batchnorm_policy
-from gacli.config import ConfigError, PartialWindow, Policy, Wrapper, resolve_batch
+from gacli.config import (FREE_ON_RESUME, RESULT_FILE, ConfigError, PartialWindow, Policy,
+                          Wrapper, resolve_batch)
 from gacli.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.data import load_dataset
 from gacli.models import build_model
@@ -30,7 +31,6 @@ from gacli.runstate import (CHECKPOINT_DIR, RunCheckpoint, RunState, StopSignals
                             micro_batch_stream, scratch_or)
 from gacli.strategy import is_chief, is_multi_worker, make_strategy
 
-RESULT_FILE = "result.json"  # written last: its presence marks a finished run
 _KERAS_POLICY = {
     Policy.fp32: "float32",
     Policy.mixed_float16: "mixed_float16",
@@ -89,10 +89,6 @@ def _check_fits(model, data):
         )
 
 
-# Keys that may differ between a run and its resumption.
-_FREE_ON_RESUME = ("resume", "progress", "output_dir")
-
-
 def _guard_run_dir(cfg, run_dir):
     """Refuse to write over a finished run, or into an unfinished one without ``resume``."""
     if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
@@ -112,8 +108,8 @@ def _guard_run_dir(cfg, run_dir):
         before = OmegaConf.to_container(OmegaConf.load(resolved))
         now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         changed = _differences(
-            {k: v for k, v in before.items() if k not in _FREE_ON_RESUME + ("resolved",)},
-            {k: v for k, v in now.items() if k not in _FREE_ON_RESUME},
+            {k: v for k, v in before.items() if k not in FREE_ON_RESUME + ("resolved",)},
+            {k: v for k, v in now.items() if k not in FREE_ON_RESUME},
         )
         if changed:
             shown = ", ".join(f"{key}={old!r} (now {new!r})" for key, old, new in changed[:4])

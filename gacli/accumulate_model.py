@@ -10,6 +10,7 @@ you pass, so ``count_params()`` is unchanged and checkpoints carry the open wind
 
 import keras
 import tensorflow as tf
+from keras.src.backend.tensorflow.trainer import reduce_per_replica
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional, functional_from_config
 from keras.src.trainers.data_adapters import data_adapter_utils
@@ -276,6 +277,56 @@ class AccumulationMixin:
             break
         with self._distribute_strategy.scope():
             self._symbolic_build(data_batch=data_batch)
+
+    def _make_function(self, step_function):
+        # Keras runs steps_per_execution > 1 steps in a tf.while_loop whose body puts each step in
+        # a tf.cond; with several replicas in sync that graph fails when it runs ("You must feed
+        # a value for placeholder tensor 'while/body/.../Placeholder_1'", Keras 3.15, with or
+        # without accumulation). The same loop without the tf.cond (its condition already checks
+        # that data is left) runs, for training and validation alike.
+        strategy = self.distribute_strategy
+        if self.steps_per_execution == 1 or self.run_eagerly or (
+            strategy.num_replicas_in_sync == 1
+        ):
+            return super()._make_function(step_function)
+        steps = self.steps_per_execution
+
+        def one_step(data):
+            outputs = strategy.run(step_function, args=(data,))
+            return reduce_per_replica(outputs, strategy, reduction="auto")
+
+        one_step = self._autoconvert_optionals(
+            tf.function(one_step, reduce_retracing=True, jit_compile=self.jit_compile)
+        )
+
+        @tf.function(reduce_retracing=True)
+        def several_steps(iterator):
+            # The outputs' structure is known once the body is traced (as in Keras' own loop).
+            none_yet = tf.experimental.Optional.empty(None)
+
+            def data_left(step, outputs, inputs):
+                return tf.logical_and(step < steps, inputs.has_value())
+
+            def body(step, outputs, inputs):
+                outputs = tf.experimental.Optional.from_value(one_step(inputs.get_value()))
+                none_yet._element_spec = outputs.element_spec
+                inputs = tf.cond(step + 1 < steps, iterator.get_next_as_optional,
+                                 lambda: inputs)
+                return step + 1, outputs, inputs
+
+            _, outputs, _ = tf.while_loop(
+                data_left, body, [tf.constant(0), none_yet, iterator.get_next_as_optional()]
+            )
+            outputs._element_spec = none_yet.element_spec
+            return outputs
+
+        def function(iterator):
+            outputs = several_steps(iterator)
+            if not outputs.has_value():
+                raise StopIteration
+            return outputs.get_value()
+
+        return function
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             **kwargs):

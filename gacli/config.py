@@ -21,7 +21,8 @@ from gacli.options import BatchNormPolicy, NonFinite, PartialWindow
 
 
 RESULT_FILE = "result.json"  # written last into a run directory: its presence marks a finished run
-FREE_ON_RESUME = ("resume", "progress", "output_dir")  # keys a resumed run may change
+# Keys a resumed run may change: they change neither the updates nor the order of the data.
+FREE_ON_RESUME = ("resume", "progress", "output_dir", "steps_per_execution")
 
 
 class ConfigError(ValueError):
@@ -170,6 +171,8 @@ class TrainConfig:
     steps_per_epoch: Optional[int] = None  # optimizer updates per epoch (None: one data pass)
     seed: int = 0
     jit_compile: bool = False
+    # Micro-batches per compiled call of the train step (None: accum_steps, one window a call).
+    steps_per_execution: Optional[int] = None
     checkpoint: bool = True  # a checkpoint per epoch in <run dir>/checkpoints, the model at the end
     checkpoint_every_updates: int = 0  # also a checkpoint every N updates (0: epoch ends only)
     resume: Optional[str] = None  # true: continue this command's last unfinished run; or its dir
@@ -314,6 +317,12 @@ def validate(cfg, given=()):
             "wrapper=optimizer trains a plain keras.Model, whose fit() fails under "
             "strategy=multi_worker (keras-team/keras#20585); use wrapper=auto (the model wrapper, "
             "which works around it)."
+        )
+    if cfg.steps_per_execution is not None and cfg.steps_per_execution < 1:
+        raise ConfigError(
+            f"steps_per_execution={cfg.steps_per_execution} must be >= 1 (micro-batches per "
+            "compiled call), or null for accum_steps (one window a call), e.g. "
+            "steps_per_execution=8."
         )
     if cfg.checkpoint_every_updates < 0:
         raise ConfigError(

@@ -71,6 +71,7 @@ class ProgressCallback(keras.callbacks.Callback):
         self._task = None
         self._start = None
         self._samples = 0
+        self._epoch_done = 0
         self._last_line = 0.0
 
     def on_train_begin(self, logs=None):
@@ -95,8 +96,14 @@ class ProgressCallback(keras.callbacks.Callback):
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         return self._samples / elapsed
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_done = 0
+
     def on_train_batch_end(self, batch, logs=None):
-        self._samples += self.plan.global_micro_batch_size * self.model.steps_per_execution
+        # steps_per_execution micro-batches, fewer in an epoch's last call.
+        done = min(batch + 1, self.params.get("steps") or batch + 1)
+        self._samples += self.plan.global_micro_batch_size * (done - self._epoch_done)
+        self._epoch_done = done
         if self.mode == ProgressMode.rich and time.perf_counter() - self._last_line > 0.1:
             # Ten refreshes a second at most: reading the counters costs a fast step's time.
             self._refresh(logs)

@@ -88,6 +88,7 @@ class TensorBoardLogger(keras.callbacks.Callback):
         self._last_time = None
         self._samples_since = 0
         self._micro_batches_since = 0
+        self._epoch_done = 0
 
     def _write(self, step, values):
         self.writer.add_event(event_pb2.Event(
@@ -107,11 +108,17 @@ class TensorBoardLogger(keras.callbacks.Callback):
         if self.accumulator.built:
             self._micro_batches_since = int(self.accumulator.window_micro_steps.numpy())
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_done = 0
+
     def on_train_batch_end(self, batch, logs=None):
-        # Samples of this call (steps_per_execution micro-batches over all replicas; the last
-        # micro-batch of an epoch may be short, which a per-update average absorbs).
-        self._samples_since += self.plan.global_micro_batch_size * self.model.steps_per_execution
-        self._micro_batches_since += self.model.steps_per_execution
+        # This call ran steps_per_execution micro-batches, fewer at an epoch's end, where Keras
+        # still reports the index the full call would have ended at. (The epoch's last
+        # micro-batch may be short, which a per-update average absorbs.)
+        done = min(batch + 1, self.params.get("steps") or batch + 1)
+        ran, self._epoch_done = done - self._epoch_done, done
+        self._samples_since += self.plan.global_micro_batch_size * ran
+        self._micro_batches_since += ran
         if self._micro_batches_since < self.plan.accum_steps:
             return  # no window can have closed since the last update
         step = int(self.accumulator.optimizer_step.numpy())

@@ -155,10 +155,13 @@ class RunCheckpoint(keras.callbacks.Callback):
         self.offset = 0
         self.epoch = 0
         self.done = 0
-        self._last_saved_update = None
+        self._saves_due = None
 
     def start_segment(self, epoch, offset):
         self.epoch, self.offset, self.done = epoch, offset, offset
+        if self._saves_due is None and self.every_updates:
+            # A resumed run does not save again the update it was restored at.
+            self._saves_due = int(self.accumulator.optimizer_step.numpy()) // self.every_updates
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch != self.epoch:
@@ -174,9 +177,11 @@ class RunCheckpoint(keras.callbacks.Callback):
         if self.signals.received is not None:
             self._stop()
         if self.save and self.every_updates:
-            update = int(self.accumulator.optimizer_step.numpy())
-            if update and update % self.every_updates == 0 and update != self._last_saved_update:
-                self._last_saved_update = update
+            # A call of steps_per_execution micro-batches may apply several updates: a save is
+            # due when a multiple of every_updates was passed since the last one.
+            due = int(self.accumulator.optimizer_step.numpy()) // self.every_updates
+            if due > self._saves_due:
+                self._saves_due = due
                 self.state.save(self.epoch, self.done)
 
     def on_epoch_end(self, epoch, logs=None):

@@ -89,6 +89,23 @@ def _check_fits(model, data):
         )
 
 
+def _steps_per_execution(cfg, plan, wrapper):
+    """Micro-batches per compiled call: by default a window's, so that fit()'s per-step cost
+    (Python, callbacks, the function call) is paid once an update instead of once a micro-batch."""
+    if wrapper == "optimizer" and plan.replicas > 1:
+        # A plain keras.Model's loop over several steps fails with several replicas in sync
+        # (Keras 3.15); the model wrappers run a loop of their own (AccumulationMixin).
+        if cfg.steps_per_execution not in (None, 1):
+            raise ConfigError(
+                f"steps_per_execution={cfg.steps_per_execution} with wrapper=optimizer fails "
+                f"under {plan.replicas} replicas (Keras' own loop over several steps breaks under "
+                "tf.distribute); use wrapper=auto, which runs several steps a call, or "
+                "steps_per_execution=1."
+            )
+        return 1
+    return cfg.steps_per_execution or plan.accum_steps
+
+
 def _guard_run_dir(cfg, run_dir):
     """Refuse to write over a finished run, or into an unfinished one without ``resume``."""
     if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
@@ -184,6 +201,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         validation = data.validation.batch(plan.global_micro_batch_size)
     total_updates = math.ceil(updates_per_epoch * cfg.epochs)
     wrapper, reason = choose_wrapper(cfg)
+    steps_per_execution = _steps_per_execution(cfg, plan, wrapper)
     loss, metrics = loss_and_metrics(data.task, data.num_outputs)
     optimizer_cfg = cfg.optimizer
     nonfinite = None if cfg.precision.nonfinite is None else cfg.precision.nonfinite.value
@@ -200,14 +218,15 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         if wrapper == "model":
             model = wrap_model(model, plan.accum_steps, **accumulation)
             model.compile(optimizer=inner, loss=loss, metrics=metrics,
-                          jit_compile=cfg.jit_compile)
+                          jit_compile=cfg.jit_compile, steps_per_execution=steps_per_execution)
         else:
             loss_scaling = cfg.precision.policy == Policy.mixed_float16
             optimizer = GradientAccumulateOptimizer(
                 inner, accum_steps=plan.accum_steps, loss_scaling=loss_scaling, **accumulation
             )
             model.compile(optimizer=optimizer, loss=loss, metrics=metrics,
-                          jit_compile=cfg.jit_compile, auto_scale_loss=not loss_scaling)
+                          jit_compile=cfg.jit_compile, auto_scale_loss=not loss_scaling,
+                          steps_per_execution=steps_per_execution)
     accumulator = find_accumulating_optimizer(model.optimizer)
     chief = is_chief()
 
@@ -218,6 +237,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
                 f"samples, inputs {tuple(data.input_shape)}",
         "updates": f"{total_updates} in {cfg.epochs} epochs, "
                    f"{micro_batches if not fit_steps else fit_steps} micro-batches per epoch",
+        "compiled calls": f"{steps_per_execution} micro-batches each (steps_per_execution)",
         "precision": cfg.precision.policy.value,
         "strategy": f"{cfg.strategy.name.value} ({strategy.num_replicas_in_sync} replica"
                     f"{'s' if strategy.num_replicas_in_sync > 1 else ''})",
@@ -242,7 +262,8 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         hparams = {
             "accum_steps": plan.accum_steps, "micro_batch_size": plan.micro_batch_size,
             "effective_batch_size": plan.effective_batch_size,
-            "precision": cfg.precision.policy.value, "strategy": cfg.strategy.name.value,
+            "compiled calls": f"{steps_per_execution} micro-batches each (steps_per_execution)",
+        "precision": cfg.precision.policy.value, "strategy": cfg.strategy.name.value,
             "wrapper": wrapper, "model": cfg.model.factory or cfg.model.name,
             "lr": float(optimizer_cfg.learning_rate), "optimizer": optimizer_cfg.name.value,
         }
@@ -271,7 +292,9 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     history = {}
     try:
         with run_checkpoint.signals:
-            for first, end, steps, offset in _segments(position, epoch_length, cfg.epochs):
+            per_epoch = epoch_length % steps_per_execution != 0
+            for first, end, steps, offset in _segments(position, epoch_length, cfg.epochs,
+                                                       per_epoch):
                 stream = micro_batch_stream(
                     data.train, plan.global_micro_batch_size, micro_batches,
                     start=first * epoch_length + offset, count=steps * (end - first),
@@ -326,9 +349,14 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     return final
 
 
-def _segments(position, epoch_length, epochs):
+def _segments(position, epoch_length, epochs, per_epoch=False):
     """fit() calls from ``position`` = (epoch, micro-batches done in it) to the end of training:
-    [(first epoch, end epoch, micro-batches per epoch, micro-batches skipped in the first)]."""
+    [(first epoch, end epoch, micro-batches per epoch, micro-batches skipped in the first)].
+
+    ``per_epoch``: one fit() per epoch. A compiled call of ``steps_per_execution`` micro-batches
+    stops only where its data ends; in a stream of several epochs whose length it does not
+    divide, an epoch's last call would run on into the next epoch's micro-batches.
+    """
     epoch, done = position
     if done >= epoch_length:  # saved after an epoch's last micro-batch: the next epoch is next
         epoch, done = epoch + 1, 0
@@ -336,6 +364,8 @@ def _segments(position, epoch_length, epochs):
     if done:
         segments.append((epoch, epoch + 1, epoch_length - done, done))
         epoch += 1
-    if epoch < epochs:
+    if per_epoch:
+        segments += [(first, first + 1, epoch_length, 0) for first in range(epoch, epochs)]
+    elif epoch < epochs:
         segments.append((epoch, epochs, epoch_length, 0))
     return segments

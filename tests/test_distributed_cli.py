@@ -66,10 +66,15 @@ def big_batch_run(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_ga_train_mirrored_matches_big_batch(tmp_path, big_batch_run, replicas):
-    # Per replica micro-batches of 32 / replicas: global micro-batches of 32 either way.
+@pytest.mark.parametrize("replicas, steps_per_execution", [(1, None), (2, None), (1, 7), (2, 1)])
+def test_ga_train_mirrored_matches_big_batch(tmp_path, big_batch_run, replicas,
+                                             steps_per_execution):
+    # Per replica micro-batches of 32 / replicas: global micro-batches of 32 either way. An epoch
+    # is 45 micro-batches: the default steps_per_execution (accum_steps=4) and 7 do not divide
+    # it, so each epoch is a fit() of its own; 7 also splits windows between calls.
     job = [a for a in WORKER_JOB if not a.startswith("micro_batch_size")]
+    if steps_per_execution:
+        job.append(f"steps_per_execution={steps_per_execution}")
     result = subprocess.run(
         ga_train_command() + [*job, f"micro_batch_size={32 // replicas}", "strategy=mirrored",
                               f"strategy.logical_cpus={replicas}"],
@@ -79,8 +84,8 @@ def test_ga_train_mirrored_matches_big_batch(tmp_path, big_batch_run, replicas):
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"({replicas} replica" in result.stdout
     measured = difference(run_dir_of(result.stdout), big_batch_run)
-    MEASURED.setdefault(f"test_ga_train_mirrored[{replicas} replicas vs big batch]",
-                        []).append(measured)
+    MEASURED.setdefault(f"test_ga_train_mirrored[{replicas} replicas, steps_per_execution="
+                        f"{steps_per_execution or 4} vs big batch]", []).append(measured)
     assert measured <= 1e-6
 
 

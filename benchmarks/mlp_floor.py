@@ -12,6 +12,12 @@ functions, only the arithmetic every accumulation must do:
   per-call one forward/backward pass over 32 samples per call, 8 calls, then an update
            (what fit() at the micro-batch does, minus Keras' own per-step work)
 
+and, to say where per-call's time goes, its parts alone (per window of 256 samples):
+
+  grads-32   8 calls of one forward/backward pass over 32 samples, gradients returned, no update
+  grads-256  one forward/backward pass over 256 samples, no update
+  add-8      8 calls that only add a ready gradient into the accumulators (2.1 M floats each)
+
     python benchmarks/mlp_floor.py [--jit] [--repeats 7]
 
 It prints the median time per sample of each and fused/big: if that ratio is below 0.75, no
@@ -105,7 +111,32 @@ def main():
             micro_step(tf.constant(index))
         apply_window()
 
-    variants = {"big": big, "fused": fused, "looped": looped, "per-call": per_call}
+    @tf.function(jit_compile=args.jit)
+    def micro_gradients(index):
+        start = index * MICRO
+        return gradients(x[start:start + MICRO], y[start:start + MICRO])
+
+    @tf.function(jit_compile=args.jit)
+    def big_gradients():
+        return gradients(x, y)
+
+    ready = micro_gradients(tf.constant(0))
+
+    @tf.function(jit_compile=args.jit)
+    def add_gradient(part):
+        for accumulator, gradient in zip(accumulators, part):
+            accumulator.assign_add(gradient)
+
+    def grads_32():
+        for index in range(K):
+            micro_gradients(tf.constant(index))
+
+    def add_8():
+        for _ in range(K):
+            add_gradient(ready)
+
+    variants = {"big": big, "fused": fused, "looped": looped, "per-call": per_call,
+                "grads-32": grads_32, "grads-256": big_gradients, "add-8": add_8}
     for run in variants.values():  # trace and warm up
         run()
     times = {name: [] for name in variants}
@@ -123,6 +154,11 @@ def main():
         print(f"  {name:9s} {value * 1e6:8.1f} us/sample   {medians['big'] / value:5.2f}x big")
     print(f"fused / big samples/s: {medians['big'] / medians['fused']:.2f} "
           "(the ceiling for accumulation at micro-batch 32 on this machine)")
+    window = {name: value * MICRO * K * 1e3 for name, value in medians.items()}
+    print(f"per window of {MICRO * K}: big {window['big']:.2f} ms = forward/backward "
+          f"{window['grads-256']:.2f} ms + update; per-call {window['per-call']:.2f} ms = "
+          f"8 forward/backward of {MICRO} {window['grads-32']:.2f} ms + 8 additions into the "
+          f"accumulators {window['add-8']:.2f} ms + update and calls")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from gacli.accumulation import (
     validate_accum_steps,
 )
 from gacli.batchnorm import accum_batchnorm_layers
-from gacli.options import LossNormalization, NonFinite, PartialWindow, parse_option
+from gacli.options import LossNormalization, NonFinite, PartialWindow, Reduction, parse_option
 
 # The accumulation settings a model stores and serialises (their defaults are in the signatures).
 _ACCUMULATION_KEYS = (
@@ -228,13 +228,21 @@ class AccumulationMixin:
                 )
             )
             self._loss_tracker.update_state(loss, sample_weight=sample_count)
+            accumulator = self.accumulating_optimizer
+            # The accumulator weighs each micro-batch by its count: weighing the loss gives the
+            # weighted gradients straight from the backward pass, one pass over them less. Not
+            # under loss scaling: float16 gradients times the count would overflow sooner.
+            summed = (accumulator.reduction is Reduction.mean and accumulator is self.optimizer
+                      and not accumulator.loss_scaling)
+            if summed:
+                loss = loss * tf.cast(sample_count, loss.dtype)
             scaled_loss = self.optimizer.scale_loss(loss)
         trainable_weights = self.trainable_weights
         if trainable_weights:
             gradients = tape.gradient(scaled_loss, trainable_weights)
-            accumulator = self.accumulating_optimizer
             if accumulator is self.optimizer:
-                accumulator.apply(gradients, trainable_weights, sample_count=sample_count)
+                accumulator.apply(gradients, trainable_weights, sample_count=sample_count,
+                                  summed=summed)
             else:
                 # A LossScaleOptimizer around the accumulator unscales each micro-batch with its
                 # own scale and skips non-finite ones; it cannot forward the count, so it is

@@ -192,11 +192,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._scoped_counts = threading.local()
 
     @contextlib.contextmanager
-    def sample_count_scope(self, sample_count):
-        """Hand ``sample_count`` to the ``apply`` calls made inside, through wrappers such as
-        ``LossScaleOptimizer`` whose ``apply`` has no such argument."""
+    def sample_count_scope(self, sample_count, summed=False):
+        """Hand ``sample_count`` (and ``summed``, see :meth:`apply`) to the ``apply`` calls made
+        inside, through wrappers such as ``LossScaleOptimizer`` whose ``apply`` has no such
+        argument."""
         previous = getattr(self._scoped_counts, "value", None)
-        self._scoped_counts.value = sample_count
+        self._scoped_counts.value = (sample_count, summed)
         try:
             yield
         finally:
@@ -306,12 +307,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # -- the micro-step ---------------------------------------------------------------------------
-    def apply_gradients(self, grads_and_vars, sample_count=None):
+    def apply_gradients(self, grads_and_vars, sample_count=None, summed=False):
         grads, variables = zip(*grads_and_vars)
-        self.apply(grads, variables, sample_count=sample_count)
+        self.apply(grads, variables, sample_count=sample_count, summed=summed)
         return self.iterations
 
-    def apply(self, grads, trainable_variables=None, sample_count=None):
+    def apply(self, grads, trainable_variables=None, sample_count=None, summed=False):
         """Accumulate one micro-batch; update through the inner optimizer every k-th call.
 
         Args:
@@ -321,6 +322,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 is normalised by its total count, summed over replicas; without it every call
                 weighs the same and gradients are taken as already scaled for distribution, as
                 Keras' own ``train_step`` computes them.
+            summed: ``grads`` are already multiplied by ``sample_count``: gradients of the
+                micro-batch's mean loss times its count. Weighing the loss costs a scalar
+                product; weighing the gradients a pass over all of them, per micro-batch.
         """
         grads = list(grads)
         if not grads:
@@ -336,11 +340,22 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self.build(trainable_variables)
         if sample_count is None:
-            sample_count = getattr(self._scoped_counts, "value", None)
+            sample_count, summed = getattr(self._scoped_counts, "value", None) or (None, False)
         weighted = sample_count is not None
         weight = tf.cast(sample_count, "float32") if weighted else tf.constant(1.0)
         if self.reduction is Reduction.sum:
+            if summed:
+                raise ValueError(
+                    "summed=True hands gradients multiplied by sample_count, which "
+                    "reduction='sum' would add as they are; pass the gradients of the mean loss."
+                )
             weight = tf.constant(1.0)
+        # One product per gradient element at most: the weight (unless the caller weighed the
+        # loss) and the loss scale (P2: each micro-batch is unscaled with its own scale) together.
+        factor = weight if weighted and not summed and self.reduction is Reduction.mean else None
+        if self.loss_scaling:
+            inverse_scale = 1.0 / tf.cast(self.loss_scale, "float32")
+            factor = inverse_scale if factor is None else factor * inverse_scale
         indices, pairs = [], []
         for gradient, variable in zip(grads, trainable_variables):
             if gradient is None:
@@ -350,9 +365,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             accumulator = self._accumulators[index]
             # Sparse (IndexedSlices) gradients are densified here; contract row E5 is open.
             gradient = tf.cast(tf.convert_to_tensor(gradient), accumulator.dtype)
-            if self.loss_scaling:
-                # Each micro-batch is unscaled with the scale it was computed with (P2).
-                gradient = gradient / tf.cast(self.loss_scale, accumulator.dtype)
             pairs.append((accumulator, gradient))
         self._gradient_indices = tuple(sorted(indices))
         self._weighted = weighted
@@ -360,7 +372,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self.nonfinite is not None:
             finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for _, g in pairs])
         for accumulator, gradient in pairs:
-            contribution = gradient * tf.cast(weight, accumulator.dtype)
+            contribution = gradient
+            if factor is not None:
+                contribution = gradient * tf.cast(factor, accumulator.dtype)
             if finite is not None:
                 # where, not multiplication: 0 * inf is nan.
                 contribution = tf.where(finite, contribution, tf.zeros_like(contribution))

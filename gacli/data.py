@@ -149,11 +149,11 @@ def image_folder(cfg, seed):
     else:
         train, validation = keras.utils.image_dataset_from_directory(**common), None
     scale = lambda image, label: (tf.cast(image, "float32") / 255.0, label)  # noqa: E731
-    train = train.map(scale)
+    train = train.map(scale, num_parallel_calls=tf.data.AUTOTUNE)
     train_size = int(train.cardinality())
     validation_size = 0
     if validation is not None:
-        validation = validation.map(scale)
+        validation = validation.map(scale, num_parallel_calls=tf.data.AUTOTUNE)
         validation_size = int(validation.cardinality())
     return DataBundle(train, validation, train_size, validation_size,
                       (cfg.image_size, cfg.image_size, cfg.channels), "classification",
@@ -186,7 +186,7 @@ def tfrecord(cfg, seed):
     records = tf.data.TFRecordDataset(files)
     total = sum(1 for _ in records)
     validation_size = int(round(total * cfg.validation_split))
-    parsed = records.map(parse)
+    parsed = records.map(parse, num_parallel_calls=tf.data.AUTOTUNE)
     # The count is known: telling tf.data lets Keras size epochs without running out of data.
     train = parsed.skip(validation_size).apply(
         tf.data.experimental.assert_cardinality(total - validation_size)

@@ -60,7 +60,13 @@ def micro_batch_stream(dataset, batch_size, micro_batches_per_pass, start, count
             lambda index: tf.data.Dataset.from_tensors(index).repeat(tf.gather(lengths, index))
         )
         stream = tf.data.Dataset.choose_from_datasets(passes, choice)
-    return stream.take(count).apply(tf.data.experimental.assert_cardinality(count))
+    options = tf.data.Options()
+    # tf.data's default graph rewrites serialise each pass's pipeline, and with it a copy of
+    # in-memory data per pass (measured: ten passes over 32 MB of arrays, +295 MB of peak RSS;
+    # +0 without them). The loaders parallelise their maps themselves; the prefetch is explicit.
+    options.experimental_optimization.apply_default_optimizations = False
+    stream = stream.take(count).apply(tf.data.experimental.assert_cardinality(count))
+    return stream.prefetch(tf.data.AUTOTUNE).with_options(options)
 
 
 class RunState:

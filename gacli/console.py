@@ -51,6 +51,15 @@ def _format_logs(logs):
     )
 
 
+def micro_batches_done(batch, params):
+    """Micro-batches of the epoch done at the end of the call that reported ``batch``.
+
+    A call runs steps_per_execution micro-batches, fewer at an epoch's end, where Keras still
+    reports the index the full call would have ended at.
+    """
+    return min(batch + 1, params.get("steps") or batch + 1)
+
+
 class ProgressCallback(keras.callbacks.Callback):
     """Progress by optimizer update and micro-batch, as a rich bar or as plain lines."""
 
@@ -100,8 +109,7 @@ class ProgressCallback(keras.callbacks.Callback):
         self._epoch_done = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        # steps_per_execution micro-batches, fewer in an epoch's last call.
-        done = min(batch + 1, self.params.get("steps") or batch + 1)
+        done = micro_batches_done(batch, self.params)
         self._samples += self.plan.global_micro_batch_size * (done - self._epoch_done)
         self._epoch_done = done
         if self.mode == ProgressMode.rich and time.perf_counter() - self._last_line > 0.1:

@@ -19,6 +19,8 @@ from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from gacli.console import micro_batches_done
+
 _SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description=None)
 
 
@@ -114,10 +116,8 @@ class TensorBoardLogger(keras.callbacks.Callback):
         self._epoch_done = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        # This call ran steps_per_execution micro-batches, fewer at an epoch's end, where Keras
-        # still reports the index the full call would have ended at. (The epoch's last
-        # micro-batch may be short, which a per-update average absorbs.)
-        done = min(batch + 1, self.params.get("steps") or batch + 1)
+        # (The epoch's last micro-batch may be short, which a per-update average absorbs.)
+        done = micro_batches_done(batch, self.params)
         ran, self._epoch_done = done - self._epoch_done, done
         self._samples_since += self.plan.global_micro_batch_size * ran
         self._micro_batches_since += ran

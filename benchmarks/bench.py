@@ -104,6 +104,21 @@ def synthetic_arrays(spec):
     return x, y
 
 
+def rss_high_water_mark(reset=False):
+    """The process's peak RSS in bytes since start or the last reset (Linux: VmHWM); None where
+    /proc is missing. ``reset``: start a new high-water mark after reading this one."""
+    try:
+        with open("/proc/self/status") as handle:
+            peak = next(int(line.split()[1]) * 1024 for line in handle
+                        if line.startswith("VmHWM:"))
+        if reset:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")  # since Linux 4.0: resets VmHWM to the current RSS
+    except (OSError, StopIteration):
+        return None
+    return peak
+
+
 class WindowTimer:
     """Wall and process CPU time between two batch ends (the steady-state window).
 
@@ -115,6 +130,7 @@ class WindowTimer:
         self.start_batch, self.end_batch = start_batch, end_batch
         self.read_updates = read_updates
         self.marks = {}
+        self.rss_peaks = {}
         self.train_begin = None
 
     def begin(self):
@@ -125,6 +141,8 @@ class WindowTimer:
             if batch == index:
                 updates = int(self.read_updates())
                 self.marks[name] = (time.perf_counter(), time.process_time(), updates)
+                # The warm-up's peak (trace, compile, first updates), then the timed window's own.
+                self.rss_peaks[name] = rss_high_water_mark(reset=name == "start")
 
     def figures(self):
         if set(self.marks) != {"start", "end"}:
@@ -136,6 +154,8 @@ class WindowTimer:
             "updates_in_window": updates1 - updates0,
             "updates_total": updates1,
             "warmup_s": wall0 - self.train_begin,  # trace, XLA compile and warm-up steps
+            "warmup_peak_rss_bytes": self.rss_peaks["start"],
+            "window_peak_rss_bytes": self.rss_peaks["end"],
         }
 
 
@@ -152,8 +172,8 @@ def timer_callback(timer):
     return TimerCallback()
 
 
-def run_library_config(spec, timer_window):
-    """A, B, C and gacli's two wrappers: build, compile and fit in this process."""
+def build_library_config(spec):
+    """(compiled model, repeated dataset, batch size) of A, B, C or one of gacli's wrappers."""
     import keras
     import tensorflow as tf
 
@@ -182,6 +202,14 @@ def run_library_config(spec, timer_window):
         model = gacli.wrap_model(model, accum_steps=k)
     model.compile(optimizer=optimizer, loss=loss, metrics=metrics, jit_compile=spec["jit"],
                   steps_per_execution=k if name in WINDOW_PER_CALL else 1)
+    return model, data, batch_size
+
+
+def run_library_config(spec, timer_window):
+    """A, B, C and gacli's two wrappers: build, compile and fit in this process."""
+    import gacli
+
+    model, data, batch_size = build_library_config(spec)
 
     def read_updates():
         accumulator = gacli.find_accumulating_optimizer(model.optimizer)
@@ -286,7 +314,10 @@ def run_worker(spec):
     figures.update(
         samples_per_s=figures["samples"] / figures["wall_s"],
         cpu_ms_per_sample=1000 * figures["cpu_s"] / figures["samples"],
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+        # ru_maxrss (KiB on Linux) restarts with the timer's reset: the process's peak is the
+        # larger of the warm-up's and the rest's.
+        peak_rss_bytes=max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                           figures["warmup_peak_rss_bytes"] or 0),
         device_peak_bytes=device_peak,
     )
     with open(spec["result_path"], "w") as handle:
@@ -365,7 +396,7 @@ def paired(runs, rep_key, numerator, denominator, field="samples_per_s"):
     for rep in sorted({r["rep"] for r in runs}):
         top = by_key.get((rep,) + rep_key + (numerator,))
         bottom = by_key.get((rep,) + rep_key + (denominator,))
-        if top and bottom:
+        if top and bottom and top.get(field) is not None and bottom.get(field):
             ratios.append(top[field] / bottom[field])
     return ratios
 
@@ -385,8 +416,9 @@ def summarise(runs, models, jits, configs):
                     row["error"] = errors[-1] if errors else "not run"
                 else:
                     for field in ("samples_per_s", "cpu_ms_per_sample", "peak_rss_bytes",
-                                  "warmup_s", "wall_s"):
-                        row[field] = statistics.median(r[field] for r in ok)
+                                  "warmup_s", "wall_s", "window_peak_rss_bytes"):
+                        values = [r.get(field) for r in ok if r.get(field) is not None]
+                        row[field] = statistics.median(values) if values else None
                     device = [r["device_peak_bytes"] for r in ok if r["device_peak_bytes"]]
                     row["device_peak_bytes"] = statistics.median(device) if device else None
                     row["params"] = sorted({r["params"] for r in ok})
@@ -394,7 +426,8 @@ def summarise(runs, models, jits, configs):
                     row["updates_in_window"] = sorted({r["updates_in_window"] for r in ok})
                     if len(ok) < len(mine):
                         row["error"] = next(r["error"] for r in mine if r["status"] != "ok")
-                    for name, field in (("vs_A", "samples_per_s"), ("rss_vs_A", "peak_rss_bytes")):
+                    for name, field in (("vs_A", "samples_per_s"), ("rss_vs_A", "peak_rss_bytes"),
+                                        ("window_rss_vs_A", "window_peak_rss_bytes")):
                         ratios = paired(runs, (model_key, jit), config, "A", field)
                         row[name] = ratios
                 summary[(model_key, jit, config)] = row
@@ -482,7 +515,9 @@ def markdown_report(meta, summary, targets, startup, models, jits, configs):
         "random order. Cells are medians over repetitions; `x A` is the paired ratio (this "
         "configuration / A in the same repetition), median (min-max). Samples/s and CPU ms/sample "
         "cover the same number of samples after a warm-up (trace, compile, first updates); peak "
-        "RSS is the whole process's.",
+        "RSS is the whole process's, and the timed-window peak RSS the high-water mark after the "
+        "warm-up (Linux VmHWM, reset when the timed window starts): what training holds once "
+        "tracing and compiling are over.",
     ]
     for model_key in models:
         spec = meta["models"][model_key]
@@ -497,14 +532,15 @@ def markdown_report(meta, summary, targets, startup, models, jits, configs):
                 f"updates of {window} after {spec['warmup_updates']} warm-up updates.",
                 "",
                 "| config | params | samples/s | x A | CPU ms/sample | peak RSS MiB | RSS x A "
-                "| device peak MiB | updates in window | warm-up s | status |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+                "| timed-window peak RSS MiB | x A | device peak MiB | updates in window "
+                "| warm-up s | status |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
             ]
             for config in configs:
                 row = summary[(model_key, jit, config)]
                 if not row["reps_ok"]:
-                    lines.append(f"| {CONFIGS[config]} | - | - | - | - | - | - | - | - | - | "
-                                 f"failed: {row['error']} |")
+                    lines.append(f"| {CONFIGS[config]} | - | - | - | - | - | - | - | - | - | - "
+                                 f"| - | failed: {row['error']} |")
                     continue
                 status = "ok" if row["reps_ok"] == row["reps"] else (
                     f"{row['reps_ok']}/{row['reps']} ok; failed: {row['error']}")
@@ -512,7 +548,8 @@ def markdown_report(meta, summary, targets, startup, models, jits, configs):
                     f"| {CONFIGS[config]} | {'/'.join(f'{p:,}' for p in row['params'])} "
                     f"| {row['samples_per_s']:,.1f} | {_ratio(row['vs_A'])} "
                     f"| {row['cpu_ms_per_sample']:.2f} | {_mib(row['peak_rss_bytes'])} "
-                    f"| {_ratio(row['rss_vs_A'])} | {_mib(row['device_peak_bytes'])} "
+                    f"| {_ratio(row['rss_vs_A'])} | {_mib(row['window_peak_rss_bytes'])} "
+                    f"| {_ratio(row['window_rss_vs_A'])} | {_mib(row['device_peak_bytes'])} "
                     f"| {'/'.join(map(str, row['updates_in_window']))} | {row['warmup_s']:.1f} "
                     f"| {status} |"
                 )

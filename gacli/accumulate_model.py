@@ -21,6 +21,7 @@ from gacli.accumulation import (
     validate_accum_steps,
 )
 from gacli.batchnorm import accum_batchnorm_layers
+from gacli.host_memory import HostMemoryCallback
 from gacli.options import LossNormalization, NonFinite, PartialWindow, Reduction, parse_option
 
 # The accumulation settings a model stores and serialises (their defaults are in the signatures).
@@ -347,6 +348,8 @@ class AccumulationMixin:
                 self.optimizer.build(self.trainable_variables)
         callbacks = list(callbacks or [])
         callbacks.insert(0, WindowCallback(self.accumulating_optimizer))
+        if not any(isinstance(callback, HostMemoryCallback) for callback in callbacks):
+            callbacks.append(HostMemoryCallback())
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                            callbacks=callbacks, **kwargs)
 

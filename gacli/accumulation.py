@@ -552,6 +552,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """Run ``flush`` or ``discard`` as a compiled function in the right distribution context."""
         if not self.built:
             return
+        if tf.executing_eagerly() and int(self.window_micro_steps.numpy()) == 0:
+            # Every window closed (the usual epoch end): nothing to apply or drop. Tracing the
+            # function anyway costs seconds and ~10 MB of host memory at the first epoch end.
+            # (Every micro-step counts itself in window_micro_steps, and every worker of a run
+            # holds the same count, so all of them skip or none does.)
+            return
         if self._gradient_indices is None:
             # Nothing traced apply() in this process yet (e.g. a checkpoint restored mid-window):
             # the open window is applied to every variable that has an accumulator.

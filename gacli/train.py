@@ -24,6 +24,7 @@ from gacli.config import (FREE_ON_RESUME, RESULT_FILE, ConfigError, PartialWindo
                           Wrapper, resolve_batch)
 from gacli.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.data import load_dataset
+from gacli.host_memory import HostMemoryCallback
 from gacli.models import build_model
 from gacli.optimizers import build_optimizer
 from gacli.run_logging import TensorBoardLogger, host_memory_bytes
@@ -258,6 +259,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     if wrapper == "optimizer":
         # A plain model's fit() does not close windows at epoch ends; this callback does.
         callbacks.insert(0, WindowCallback(accumulator))
+        callbacks.append(HostMemoryCallback())
     if chief:
         hparams = {
             "accum_steps": plan.accum_steps, "micro_batch_size": plan.micro_batch_size,

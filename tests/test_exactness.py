@@ -152,3 +152,20 @@ def test_c3_history_loss_and_metrics_match_big_batch(wrapper):
     np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
     np.testing.assert_allclose(history["mae"], expected["mae"], rtol=1e-6)
     assert history["loss"][0] > history["loss"][-1]  # it trained
+
+
+@pytest.mark.parametrize("wrapper", ["model", "optimizer"])
+def test_closed_windows_leave_nothing_to_flush_at_epoch_ends(wrapper):
+    """An epoch of whole windows ends with none open: no window function is traced (it cost
+    seconds and ~10 MB of host memory at the first epoch end); a ragged epoch still flushes."""
+    make_optimizer = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    x, y = make_data(128)
+    model = accumulating_model(make_optimizer, wrapper)
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    accumulator = gacli.find_accumulating_optimizer(model.optimizer)
+    assert accumulator._window_functions == {}
+    assert int(accumulator.optimizer_step.numpy()) == 4
+    model.fit(x[:80], y[:80], batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+    assert set(accumulator._window_functions) == {"flush"}
+    assert (int(accumulator.optimizer_step.numpy()), int(accumulator.window_micro_steps.numpy())) \
+        == (6, 0)

@@ -315,9 +315,10 @@ def run_worker(spec):
         samples_per_s=figures["samples"] / figures["wall_s"],
         cpu_ms_per_sample=1000 * figures["cpu_s"] / figures["samples"],
         # ru_maxrss (KiB on Linux) restarts with the timer's reset: the process's peak is the
-        # larger of the warm-up's and the rest's.
+        # largest of the warm-up's, the window's and the rest's.
         peak_rss_bytes=max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                           figures["warmup_peak_rss_bytes"] or 0),
+                           figures["warmup_peak_rss_bytes"] or 0,
+                           figures["window_peak_rss_bytes"] or 0),
         device_peak_bytes=device_peak,
     )
     with open(spec["result_path"], "w") as handle:

@@ -18,7 +18,7 @@ import functools
 import keras
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _malloc_trim():
     """glibc's ``malloc_trim``, or None where the C library has none."""
     try:

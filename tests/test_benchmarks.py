@@ -30,6 +30,7 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path):
         assert run["samples"] == raw["runs"][0]["samples"]  # equal work in the timed window
         assert run["params"] == raw["runs"][0]["params"]
         assert run["peak_rss_bytes"] > 0 and run["wall_s"] > 0
+        assert 0 < run["window_peak_rss_bytes"] <= run["peak_rss_bytes"]
     spec = raw["meta"]["models"]["mlp"]
     updates = {run["config"]: run["updates_in_window"] for run in raw["runs"]}
     assert updates == {"A": spec["measure_updates"] * spec["accum_steps"],
@@ -45,3 +46,22 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path):
         assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert "pip install -e '.[benchmark]'" in done.stderr
+
+
+@pytest.mark.slow
+def test_rss_phases_prints_every_phase_of_every_configuration(tmp_path):
+    script = BENCH.parent / "rss_phases.py"
+    command = [sys.executable, str(script), "--quick", "--reps", "1", "--models", "mlp", "--jit",
+               "off"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "A: fit, batch b", "C: Keras gradient_accumulation_steps", "gacli wrap_model",
+        "gacli GradientAccumulateOptimizer"]
+    for row in rows:
+        start, first, held, live, window, freed = (
+            float(cell.replace(",", "")) for cell in row.split("|")[2:8])
+        # (Other threads allocate between the reads: only orderings that cannot race are checked.)
+        assert 0 < start <= first and held > 0 and live > 0 and window > 0
+        assert abs(freed - (held - live)) <= 1  # each cell rounded on its own

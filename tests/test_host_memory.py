@@ -7,7 +7,7 @@ import pytest
 from conftest import make_data, mlp_layers
 
 import gacli
-import gacli.host_memory as host_memory
+from gacli import host_memory
 
 
 def rss_bytes():

@@ -111,11 +111,14 @@ def rss_high_water_mark(reset=False):
         with open("/proc/self/status") as handle:
             peak = next(int(line.split()[1]) * 1024 for line in handle
                         if line.startswith("VmHWM:"))
-        if reset:
-            with open("/proc/self/clear_refs", "w") as handle:
-                handle.write("5")  # since Linux 4.0: resets VmHWM to the current RSS
     except (OSError, StopIteration):
         return None
+    if reset:
+        try:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")  # since Linux 4.0: resets VmHWM to the current RSS
+        except OSError:
+            pass  # the window's peak is then the process's so far, as before the reset
     return peak
 
 

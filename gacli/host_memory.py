@@ -4,7 +4,7 @@ Tracing a train step, Grappler and above all XLA's compiler allocate hundreds of
 blocks and free them before the first step has run. glibc's malloc keeps freed blocks in its
 arenas for reuse, and the process's resident memory (RSS) stays at the compiler's high-water mark
 for the whole run. Measured on the benchmark's UNet with ``jit_compile=True`` (see
-``benchmarks/rss_phases.py``): about 215 MB held for plain Keras and 255 MB for the accumulating
+``benchmarks/rss_phases.py``): about 160 MiB held for plain Keras and 260 MiB for the accumulating
 model after the first compiled call, given back by one ``malloc_trim(0)``. Nothing live is
 touched: glibc only returns whole free pages.
 
@@ -22,9 +22,15 @@ import keras
 def _malloc_trim():
     """glibc's ``malloc_trim``, or None where the C library has none."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        name = ctypes.util.find_library("c")  # runs ldconfig: only off the usual glibc name
+        try:
+            libc = ctypes.CDLL(name) if name else None
+        except OSError:
+            libc = None
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
         return None
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int

@@ -22,7 +22,6 @@ itself (gacli.host_memory); plain Keras does not, so its RSS stays at "held" in 
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -37,16 +36,15 @@ CONFIGS = ("A", "C", "gacli_model", "gacli_optimizer")
 PHASES = ("start", "first", "held", "live", "window")
 
 
-def rss_now():
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def worker(spec):
     import keras
     import tensorflow as tf
 
     from gacli.host_memory import release_free_memory
+    from gacli.run_logging import host_memory_bytes
+
+    def rss_now():
+        return host_memory_bytes()[0]
 
     tf.config.threading.set_intra_op_parallelism_threads(spec["threads"])
     tf.config.threading.set_inter_op_parallelism_threads(spec["threads"])

@@ -1,7 +1,6 @@
 """Host memory left free by compiling goes back to the OS (gacli.host_memory)."""
 
 import ctypes
-import os
 
 import keras
 import pytest
@@ -9,11 +8,7 @@ from conftest import make_data, mlp_layers
 
 import gacli
 from gacli import host_memory
-
-
-def rss_bytes():
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from gacli.run_logging import host_memory_bytes
 
 
 def test_freed_blocks_between_live_ones_are_given_back():
@@ -32,9 +27,9 @@ def test_freed_blocks_between_live_ones_are_given_back():
     for index, block in enumerate(blocks):
         if index % 64:
             libc.free(block)
-    held = rss_bytes()
+    held = host_memory_bytes()[0]
     assert host_memory.release_free_memory()
-    released = held - rss_bytes()
+    released = held - host_memory_bytes()[0]
     for block in kept:
         libc.free(block)
     assert released > 50 * 2**20, f"only {released / 2**20:.1f} MiB released"

@@ -49,9 +49,7 @@ def worker(spec):
     tf.config.threading.set_intra_op_parallelism_threads(spec["threads"])
     tf.config.threading.set_inter_op_parallelism_threads(spec["threads"])
     model, data, batch_size = bench.build_library_config(spec)
-    window = spec["micro_batch_size"] * spec["accum_steps"]
-    steps_per_window = window // batch_size
-    per_call = model.steps_per_execution
+    steps_per_window = spec["micro_batch_size"] * spec["accum_steps"] // batch_size
     phases = {}
 
     class Phases(keras.callbacks.Callback):
@@ -68,9 +66,8 @@ def worker(spec):
 
     bench.rss_high_water_mark(reset=True)
     phases["start"] = rss_now()
-    first_call = max(per_call, 1)
-    model.fit(data, epochs=1, steps_per_epoch=first_call + 4 * steps_per_window, verbose=0,
-              callbacks=[Phases()])
+    model.fit(data, epochs=1, steps_per_epoch=model.steps_per_execution + 4 * steps_per_window,
+              verbose=0, callbacks=[Phases()])
     phases["window"] = bench.rss_high_water_mark()
     return phases
 

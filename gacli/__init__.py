@@ -2,10 +2,13 @@
 
 The public names are imported lazily so that ``import gacli`` (and the ``ga-train`` command line,
 which lives inside this package) does not pay for a TensorFlow import until a name that needs it is
-used.
+used. Keras still finds gacli's classes when it loads a saved model: they are registered as soon as
+Keras itself is imported (see :class:`_RegisterWithKeras`), so ``import gacli`` followed by
+``keras.models.load_model("model.keras")`` works with no other import.
 """
 
-from importlib import import_module
+import sys
+from importlib import abc, import_module
 
 __version__ = "0.1.0"
 
@@ -15,6 +18,8 @@ _LAZY = {
     "NonFinite": "gacli.options",
     "LossNormalization": "gacli.options",
     "find_accumulating_optimizer": "gacli.accumulation",
+    "NonFiniteError": "gacli.accumulation",
+    "StopOnNonFinite": "gacli.accumulation",
     "GradientAccumulateModel": "gacli.accumulate_model",
     "wrap_model": "gacli.accumulate_model",
     "adaptive_clip_gradients": "gacli.clipping",
@@ -26,11 +31,82 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["__version__"]
 
 
+# The modules whose classes Keras deserialises by their registered names ("gacli>...").
+_SERIALIZABLE = ("gacli.accumulation", "gacli.accumulate_model", "gacli.batchnorm",
+                 "gacli.optimizers")
+
+
+def _initializing(module):
+    # importlib marks a module's spec while the module's code runs (CPython since 3.4).
+    return getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
+def _register_with_keras(finished=None):
+    """Import the modules that register gacli's classes with Keras, unless TensorFlow, Keras or
+    one of those modules is still being imported (TensorFlow imports Keras from its own
+    ``__init__``): then the import that finishes last registers them. ``finished``: the module
+    whose code has just run (importlib still marks it as initialising)."""
+    if any(_initializing(sys.modules.get(name)) for name in _WAIT_FOR + _SERIALIZABLE
+           if name != finished):
+        return
+    for name in _SERIALIZABLE:
+        import_module(name)
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterWithKeras)]
+
+
+_WAIT_FOR = ("tensorflow", "keras")
+
+
+class _RegisteringLoader(abc.Loader):
+    """A loader of TensorFlow or Keras, followed by the registration of gacli's classes."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _register_with_keras(finished=module.__name__)
+
+    def __getattr__(self, name):  # get_source, get_resource_reader, ...: the wrapped loader's
+        return getattr(self._loader, name)
+
+
+class _RegisterWithKeras(abc.MetaPathFinder):
+    """Finds ``tensorflow`` and ``keras`` as the other finders do, and has gacli's classes
+    registered once both are imported; then it leaves ``sys.meta_path``."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _WAIT_FOR:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and not isinstance(spec.loader, _RegisteringLoader):
+                    spec.loader = _RegisteringLoader(spec.loader)
+                return spec
+        return None
+
+
+if "keras" in sys.modules:
+    _register_with_keras()
+if not all(name in sys.modules for name in _WAIT_FOR) or any(
+    _initializing(sys.modules.get(name)) for name in _WAIT_FOR
+):
+    if not any(isinstance(finder, _RegisterWithKeras) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWithKeras())
+
+
 def __getattr__(name):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'gacli' has no attribute {name!r}")
     value = getattr(import_module(module), name)
+    _register_with_keras()
     globals()[name] = value
     return value
 

@@ -17,6 +17,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from gacli.accumulation import (
     GradientAccumulateOptimizer,
+    StopOnNonFinite,
     find_accumulating_optimizer,
     validate_accum_steps,
 )
@@ -347,6 +348,11 @@ class AccumulationMixin:
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
         callbacks = list(callbacks or [])
+        if self.accumulating_optimizer.nonfinite is NonFinite.stop and not any(
+            isinstance(callback, StopOnNonFinite) for callback in callbacks
+        ):
+            # First: it must stop the run before a checkpoint callback saves the step.
+            callbacks.insert(0, StopOnNonFinite(self.accumulating_optimizer))
         callbacks.insert(0, WindowCallback(self.accumulating_optimizer))
         if not any(isinstance(callback, HostMemoryCallback) for callback in callbacks):
             callbacks.append(HostMemoryCallback())

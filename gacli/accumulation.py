@@ -102,7 +102,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             micro-batches follow ``nonfinite``). Compile with ``auto_scale_loss=False``.
         initial_scale: the first loss scale.
         dynamic_growth_steps: updates without overflow after which the scale doubles.
-        nonfinite: ``"skip_micro_batch"`` (default with loss scaling) or ``"skip_window"``;
+        nonfinite: what a micro-batch with an inf or nan gradient does. ``"stop"``: it and every
+            later micro-batch are left out and no update is applied from its window on, so the
+            weights stay those of the last good update; :class:`StopOnNonFinite` (added by the
+            model wrappers' ``fit``) then raises :class:`NonFiniteError`. ``"skip_micro_batch"``
+            (default with loss scaling) or ``"skip_window"``: training goes on without it.
             ``None`` without loss scaling means no check. Skips are counted in
             ``skipped_micro_batches`` and ``skipped_windows``.
         name: optimizer name.
@@ -192,12 +196,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._scoped_counts = threading.local()
 
     @contextlib.contextmanager
-    def sample_count_scope(self, sample_count, summed=False):
-        """Hand ``sample_count`` (and ``summed``, see :meth:`apply`) to the ``apply`` calls made
-        inside, through wrappers such as ``LossScaleOptimizer`` whose ``apply`` has no such
-        argument."""
+    def sample_count_scope(self, sample_count, summed=False, loss_divisor=None):
+        """Hand ``sample_count`` (and ``summed`` or ``loss_divisor``, see :meth:`apply`) to the
+        ``apply`` calls made inside, through wrappers such as ``LossScaleOptimizer`` whose
+        ``apply`` has no such argument."""
         previous = getattr(self._scoped_counts, "value", None)
-        self._scoped_counts.value = (sample_count, summed)
+        self._scoped_counts.value = (sample_count, summed, loss_divisor)
         try:
             yield
         finally:
@@ -240,6 +244,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             # count per replica.
             self.skipped_micro_batches = self._add_state("skipped_micro_batches", dtype="int64")
             self.skipped_windows = self._add_state("skipped_windows", dtype="int64")
+        if self.nonfinite is NonFinite.stop:
+            # 0 while training is healthy; then the micro_step (counted from 1) of the first
+            # micro-batch with a non-finite gradient, summed over replicas.
+            self.halted_at = self._add_state("halted_at_micro_step", dtype="int64")
         if self.loss_scaling:
             self.loss_scale = self._add_state("loss_scale", initial_value=self.initial_scale)
             self.growth_steps = self._add_state("growth_steps", dtype="int64")
@@ -307,24 +315,32 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # -- the micro-step ---------------------------------------------------------------------------
-    def apply_gradients(self, grads_and_vars, sample_count=None, summed=False):
+    def apply_gradients(self, grads_and_vars, sample_count=None, summed=False, loss_divisor=None):
         grads, variables = zip(*grads_and_vars)
-        self.apply(grads, variables, sample_count=sample_count, summed=summed)
+        self.apply(grads, variables, sample_count=sample_count, summed=summed,
+                   loss_divisor=loss_divisor)
         return self.iterations
 
-    def apply(self, grads, trainable_variables=None, sample_count=None, summed=False):
+    def apply(self, grads, trainable_variables=None, sample_count=None, summed=False,
+              loss_divisor=None):
         """Accumulate one micro-batch; update through the inner optimizer every k-th call.
 
         Args:
-            grads: gradients of the micro-batch's mean loss.
+            grads: gradients of the micro-batch's mean loss (but see ``loss_divisor``).
             trainable_variables: the matching variables (optional once built).
-            sample_count: samples (or total sample weight) in the micro-batch. With it, the window
-                is normalised by its total count, summed over replicas; without it every call
-                weighs the same and gradients are taken as already scaled for distribution, as
-                Keras' own ``train_step`` computes them.
+            sample_count: samples (or total sample weight) in the micro-batch, on this replica.
+                With it, the window is normalised by its total count, summed over replicas;
+                without it every call weighs the same and gradients are taken as already scaled
+                for distribution, as Keras' own ``train_step`` computes them (exact only when
+                every micro-batch holds as many samples).
             summed: ``grads`` are already multiplied by ``sample_count``: gradients of the
                 micro-batch's mean loss times its count. Weighing the loss costs a scalar
                 product; weighing the gradients a pass over all of them, per micro-batch.
+            loss_divisor: what the differentiated loss was divided by, when it is not this
+                replica's ``sample_count`` (needs ``sample_count``). A ``keras.losses.Loss``
+                called in replica context divides by ``sample_count`` times the number of
+                replicas; ``tf.nn.compute_average_loss(..., global_batch_size=G)`` by ``G``.
+                Given it, windows stay exact with ragged micro-batches under any strategy.
         """
         grads = list(grads)
         if not grads:
@@ -340,19 +356,31 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self.build(trainable_variables)
         if sample_count is None:
-            sample_count, summed = getattr(self._scoped_counts, "value", None) or (None, False)
+            sample_count, summed, loss_divisor = (
+                getattr(self._scoped_counts, "value", None) or (None, False, None)
+            )
         weighted = sample_count is not None
         weight = tf.cast(sample_count, "float32") if weighted else tf.constant(1.0)
+        if loss_divisor is not None and (summed or not weighted):
+            raise ValueError(
+                "loss_divisor says what the loss was divided by, so that the engine can weigh it "
+                "by sample_count: pass sample_count (this replica's samples) with it, and not "
+                "summed=True (which means loss_divisor=1)."
+            )
         if self.reduction is Reduction.sum:
-            if summed:
+            if summed or loss_divisor is not None:
                 raise ValueError(
-                    "summed=True hands gradients multiplied by sample_count, which "
-                    "reduction='sum' would add as they are; pass the gradients of the mean loss."
+                    "summed=True and loss_divisor describe a loss to be weighed by "
+                    "sample_count, which reduction='sum' would add as it is; pass the gradients "
+                    "of the mean loss."
                 )
             weight = tf.constant(1.0)
         # One product per gradient element at most: the weight (unless the caller weighed the
         # loss) and the loss scale (P2: each micro-batch is unscaled with its own scale) together.
-        factor = weight if weighted and not summed and self.reduction is Reduction.mean else None
+        factor = None
+        if weighted and not summed and self.reduction is Reduction.mean:
+            # The gradient of this replica's summed loss: the mean loss's times its divisor.
+            factor = weight if loss_divisor is None else tf.cast(loss_divisor, "float32")
         if self.loss_scaling:
             inverse_scale = 1.0 / tf.cast(self.loss_scale, "float32")
             factor = inverse_scale if factor is None else factor * inverse_scale
@@ -371,6 +399,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         finite = None
         if self.nonfinite is not None:
             finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for _, g in pairs])
+        if self.nonfinite is NonFinite.stop:
+            # Once halted, every micro-batch is left out until fit() sees it and stops.
+            finite = tf.logical_and(finite, tf.convert_to_tensor(self.halted_at) == 0)
         for accumulator, gradient in pairs:
             contribution = gradient
             if factor is not None:
@@ -382,7 +413,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if finite is not None:
             nonfinite = 1.0 - tf.cast(finite, "float32")
             self.step_nonfinite.assign(nonfinite)
-            if self.nonfinite is NonFinite.skip_micro_batch:
+            if self.nonfinite in (NonFinite.skip_micro_batch, NonFinite.stop):
                 weight = weight * (1.0 - nonfinite)
             else:
                 self.window_nonfinite.assign_add(nonfinite)
@@ -422,8 +453,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """``closes``: one boolean; ``in_each_replica(fn, *args)`` runs fn in replica context;
         ``global_weight``: the window's count summed over replicas (None on one device)."""
         apply_now = closes
+        if self.nonfinite is NonFinite.stop:
+            if micro_step:
+                first_bad = tf.logical_and(
+                    self.halted_at == 0, tf.convert_to_tensor(self.step_nonfinite) > 0
+                )
+                self.halted_at.assign(tf.where(first_bad, self.micro_step, self.halted_at))
+            apply_now = tf.logical_and(apply_now, self.halted_at == 0)
         if self.nonfinite is not None:
-            if micro_step and self.nonfinite is NonFinite.skip_micro_batch:
+            if micro_step and self.nonfinite in (NonFinite.skip_micro_batch, NonFinite.stop):
                 # Per-replica flags summed on read: how many replicas dropped this micro-step.
                 self.skipped_micro_batches.assign_add(
                     tf.cast(tf.convert_to_tensor(self.step_nonfinite), "int64")
@@ -441,7 +479,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 tf.convert_to_tensor(self.window_nonfinite) == 0,
                 tf.convert_to_tensor(self.window_weight) > 0,
             )
-            apply_now = tf.logical_and(closes, healthy)
+            apply_now = tf.logical_and(apply_now, healthy)
             tf.cond(
                 tf.logical_and(closes, tf.logical_not(healthy)),
                 lambda: in_each_replica(self._skip_window),
@@ -612,6 +650,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         elif action == "drop":
             self.discard_window()
 
+    def halted_micro_step(self):
+        """0 while training is healthy; under ``nonfinite="stop"``, the micro_step (counted from
+        1) of the first micro-batch whose gradient was not finite."""
+        if self.nonfinite is not NonFinite.stop or not self.built:
+            return 0
+        return int(self.halted_at.numpy())
+
     # -- serialisation ----------------------------------------------------------------------------
     def get_config(self):
         return {
@@ -637,6 +682,39 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)
+
+
+class NonFiniteError(FloatingPointError):
+    """Training stopped (``nonfinite="stop"``) at a micro-batch with an inf or nan gradient.
+
+    ``micro_step``: that micro-batch, counted from 1 over the whole run. No update used it or any
+    micro-batch after it: the weights are those of the last update before its window.
+    """
+
+    def __init__(self, micro_step):
+        self.micro_step = micro_step
+        super().__init__(
+            f"training stopped: micro-batch {micro_step} (counted from 1 since training began) "
+            "gave a non-finite (inf or nan) loss or gradient, and nonfinite='stop'. No update "
+            "used it: the weights are those of the last update before it. Look for inf or nan in "
+            "that micro-batch's inputs or targets; if they are clean, the model diverged (lower "
+            "the learning rate, or clip the gradients with clipnorm). To train on past such "
+            "micro-batches instead, use nonfinite='skip_micro_batch'."
+        )
+
+
+class StopOnNonFinite(keras.callbacks.Callback):
+    """Raises :class:`NonFiniteError` after the compiled call in which a micro-batch's gradient
+    was not finite (``nonfinite="stop"``), before later callbacks (checkpoints) see the step."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self._optimizer = optimizer
+
+    def on_train_batch_end(self, batch, logs=None):
+        halted = self._optimizer.halted_micro_step()
+        if halted:
+            raise NonFiniteError(halted)
 
 
 def find_accumulating_optimizer(optimizer):

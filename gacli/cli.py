@@ -9,9 +9,12 @@ errors answer at once.
 import os
 import sys
 import time
-from importlib import resources
+from dataclasses import dataclass
+from importlib import metadata, resources
 
-from gacli.config import FREE_ON_RESUME, RESULT_FILE, ConfigError, Interrupted
+from gacli import rundir
+from gacli.config import FREE_ON_RESUME
+from gacli.errors import EXIT_USAGE, ConfigError, Interrupted, TrainingFailed
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
 _SWEEP_DIR = "multirun/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -29,8 +32,18 @@ Shipped recipes: {recipes}
 Config groups: model={models}  dataset={datasets}
   optimizer={optimizers}  precision={precisions}  strategy={strategies}
 
-Every key can be overridden as key=value; --cfg job prints the composed config, --info the
-search path. The README has the full config reference.
+Every key can be overridden as key=value; --cfg job prints the composed config, --info where
+each part of it came from, --version the versions of gacli, TensorFlow and Keras. The README has
+the full config reference, and the exit codes: 0 finished, 1 failed while training (resumable),
+2 bad input (nothing trained), 128+N stopped by signal N.
+"""
+
+_HYDRA_HELP = """ga-train passes these Hydra options through:
+  --cfg job|hydra|all      print the composed config and exit
+  --resolve                with --cfg, resolve ${...} interpolations
+  --info [all|config|defaults|defaults-tree|plugins|searchpath]
+  -m, --multirun           one job per combination of comma-separated values
+Hydra's own settings are keys under hydra., e.g. hydra.run.dir=runs/first.
 """
 
 
@@ -44,7 +57,18 @@ def _names(package, group=None, suffix=".yaml"):
 
 def _error(message):
     print(f"ga-train: {message}", file=sys.stderr)
-    return 2
+    return EXIT_USAGE
+
+
+def _versions():
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (f"gacli {version('gacli')} (TensorFlow {version('tensorflow')}, "
+            f"Keras {version('keras')}, Hydra {version('hydra-core')})")
 
 
 def locate_config(value):
@@ -52,7 +76,11 @@ def locate_config(value):
     if value is None:
         return "pkg://gacli.configs", "train", "default"
     name = value[:-5] if value.endswith(".yaml") else value[:-4] if value.endswith(".yml") else value
-    if os.path.sep not in value and name in _names("gacli.recipes"):
+    path_like = os.path.sep in value or value.startswith(".")
+    if not path_like and name in _names("gacli.recipes"):
+        if os.path.isfile(value):
+            print(f"ga-train: config={value} is the shipped recipe; ./{value} here is not used "
+                  f"(config=./{value} takes the file).", file=sys.stderr)
         return "pkg://gacli.recipes", name, name
     if os.path.isfile(value):
         path = os.path.abspath(value)
@@ -101,13 +129,25 @@ def _same_command(run_dir, assignments):
 
 
 def _last_unfinished_run(label, assignments):
+    """The newest run of this command under outputs/<label>/ that has a checkpoint to go on from.
+
+    Runs that never reached a checkpoint (stopped on their input, or killed in their first epoch)
+    are passed over: there is nothing in them to resume.
+    """
     root = os.path.join("outputs", label)
     runs = sorted(os.listdir(root), reverse=True) if os.path.isdir(root) else []
     unfinished = [os.path.join(root, run) for run in runs
-                  if not os.path.exists(os.path.join(root, run, RESULT_FILE))]
-    for run_dir in unfinished:
-        if _same_command(run_dir, assignments):
+                  if not os.path.exists(os.path.join(root, run, rundir.RESULT_FILE))]
+    same = [run_dir for run_dir in unfinished if _same_command(run_dir, assignments)]
+    for run_dir in same:
+        if rundir.has_restorable_checkpoint(run_dir):
             return run_dir
+    if same:
+        raise ConfigError(
+            f"resume=true: no unfinished run of this command under {root}/ has a checkpoint to "
+            f"go on from ({'; '.join(same[:3])} stopped before their first). Start the command "
+            "again without resume=; a run whose checkpoints were deleted cannot be continued."
+        )
     listed = "; ".join(unfinished[:3]) or "none"
     raise ConfigError(
         f"resume=true found no unfinished run of this command under {root}/ (unfinished runs "
@@ -151,7 +191,7 @@ def _resolve_resume(overrides, label):
             f"resume={value}: {run_dir} is not a directory; give the directory of the run to "
             "continue (ga-train prints it at start), or resume=true for this command's last one."
         )
-    if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
+    if os.path.exists(os.path.join(run_dir, rundir.RESULT_FILE)):
         raise ConfigError(
             f"resume={value}: {run_dir} holds a finished run; there is nothing to resume. Start a "
             "new run without resume=."
@@ -163,30 +203,80 @@ def _resolve_resume(overrides, label):
     ]
 
 
+@dataclass
+class _Launch:
+    """What ``main`` learnt before Hydra ran, for the job(s) it runs."""
+
+    command: str
+    kept_dir: str = None  # a hydra.run.dir that existed before this run: never removed
+    started: bool = False  # a job began; before it, an exit of 1 is Hydra's config error
+
+
+def _check_run_dirs(options, assignments, launch):
+    """Before Hydra writes into it: the run directory must be usable, writable and ours alone."""
+    fixed = [a.split("=", 1)[1].strip("'\"") for a in assignments if _key(a) == "hydra.run.dir"]
+    multirun = any(o in ("-m", "--multirun") for o in options)
+    if not fixed or multirun:
+        sweep = [a.split("=", 1)[1] for a in assignments if _key(a) == "hydra.sweep.dir"]
+        where = rundir.nearest_existing(sweep[-1] if multirun and sweep else os.getcwd())
+        rundir.check_writable(where, "the directory for run outputs,")
+        return
+    run_dir = os.path.abspath(os.path.expanduser(fixed[-1]))
+    resume = any(_key(a) == "resume" for a in assignments)
+    if os.path.isdir(run_dir):
+        launch.kept_dir = run_dir
+        rundir.check_usable(run_dir, resume)
+    rundir.check_writable(rundir.nearest_existing(run_dir), "the run directory's parent,")
+    if rundir.is_chief():  # other workers of a cluster may share the chief's directory
+        rundir.lock(run_dir, launch.command)
+        rundir.check_usable(run_dir, resume)  # again, now that no other run can be finishing
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--version" in argv:
+        print(_versions())
+        return 0
+    if "--hydra-help" in argv:
+        print(_HYDRA_HELP)
+        return 0
+    launch = _Launch(command=" ".join(["ga-train", *argv]))
     try:
         config, overrides = _split_config_argument(argv)
         config_path, config_name, label = locate_config(config)
-        if not any(flag in overrides for flag in ("--help", "-h")):
-            overrides = _resolve_resume(overrides, label)
+        if any(flag in overrides for flag in ("--help", "-h")):
+            print(_HELP.format(
+                recipes=", ".join(r + ".yaml" for r in _names("gacli.recipes")),
+                **{plural: ", ".join(_names("gacli.configs", group)) for group, plural in
+                   (("model", "models"), ("dataset", "datasets"), ("optimizer", "optimizers"),
+                    ("precision", "precisions"), ("strategy", "strategies"))},
+            ))
+            return 0
+        from gacli.user_config import GROUPS, check_overrides, check_user_yaml
+
+        if not config_path.startswith("pkg://"):
+            check_user_yaml(os.path.join(config_path, config_name), config,
+                            {group: _names("gacli.configs", group) for group in GROUPS})
+        # Hydra's parser wants its options (-m, --cfg job, ...) before the key=value overrides;
+        # a bare --info would take the next override for its argument.
+        options = ["--info=all" if a == "--info" else a for a in overrides
+                   if a.startswith("-") or "=" not in a]
+        check_overrides([a for a in overrides if a not in options and a != "--info"])
+        overrides = _resolve_resume(overrides, label)
+        assignments = [a for a in overrides if not (a.startswith("-") or "=" not in a)]
+        if not any(o.startswith(("--cfg", "--info", "-c", "-i")) for o in options):
+            _check_run_dirs(options, assignments, launch)
     except ConfigError as error:
         return _error(error)
-    if any(flag in overrides for flag in ("--help", "-h")):
-        print(_HELP.format(
-            recipes=", ".join(r + ".yaml" for r in _names("gacli.recipes")),
-            **{plural: ", ".join(_names("gacli.configs", group)) for group, plural in
-               (("model", "models"), ("dataset", "datasets"), ("optimizer", "optimizers"),
-                ("precision", "precisions"), ("strategy", "strategies"))},
-        ))
-        return 0
 
     import hydra
 
     from gacli.config import register_configs
 
     register_configs()
-    extra = [f"config={label}", "hydra.searchpath=[pkg://gacli.configs]"]
+    # hydra/job_logging=stdout: Python logging to the terminal only, no empty <job>.log per run.
+    extra = [f"config={label}", "hydra.searchpath=[pkg://gacli.configs]",
+             "hydra/job_logging=stdout"]
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
         extra.append(f"hydra.run.dir={_RUN_DIR}")
     if not any(o.startswith("hydra.sweep.dir=") for o in overrides):
@@ -196,23 +286,30 @@ def main(argv=None):
         # comparison of, e.g., accum_steps=1 ... accum_steps=8.
         extra += ["hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}",
                   "hydra.job.config.override_dirname.exclude_keys=[config]"]
-    # Hydra's parser wants its options (-m, --cfg job, ...) before the key=value overrides.
-    options = [a for a in overrides if a.startswith("-") or "=" not in a]
-    assignments = [a for a in overrides if a not in options]
+
+    def task(cfg):
+        return _task(cfg, launch)
+
     saved_argv = sys.argv
     sys.argv = [sys.argv[0] if sys.argv else "ga-train"] + options + assignments + extra
     try:
-        hydra.main(version_base="1.3", config_path=config_path, config_name=config_name)(_task)()
+        hydra.main(version_base="1.3", config_path=config_path, config_name=config_name)(task)()
+    except SystemExit as stop:
+        if stop.code == 1 and not launch.started:
+            return EXIT_USAGE  # Hydra could not compose the config; it said why
+        raise
     finally:
         sys.argv = saved_argv
     return 0
 
 
-def _task(cfg):
+def _task(cfg, launch):
     """One job: validate, train, return the metric a sweeper would minimise."""
     from hydra.core.hydra_config import HydraConfig
 
+    launch.started = True
     hydra_config = HydraConfig.get()
+    run_dir = hydra_config.runtime.output_dir
     given = {
         override.split("=", 1)[0].lstrip("+~")
         for override in hydra_config.overrides.task
@@ -222,17 +319,37 @@ def _task(cfg):
         from gacli.config import validate
 
         validate(cfg, given)
+        if rundir.is_chief():
+            rundir.lock(run_dir, launch.command)
+        from gacli.quiet import tensorflow_startup
+
+        with tensorflow_startup():
+            import tensorflow as tf
+
+            tf.config.list_physical_devices()  # CUDA's probe, and its messages, happen here
         from gacli.train import train
 
-        metrics = train(cfg, run_dir=hydra_config.runtime.output_dir, given=given,
+        metrics = train(cfg, run_dir=run_dir, given=given,
                         parallel_jobs=_parallel_jobs(hydra_config))
     except ConfigError as error:
+        if not cfg.resume and os.path.realpath(run_dir) != os.path.realpath(launch.kept_dir or ""):
+            rundir.discard_unstarted(run_dir)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         sys.exit(_error(error))
-    except Interrupted as stop:
+    except (TrainingFailed, Interrupted) as stop:
+        if isinstance(stop, TrainingFailed) and rundir.is_chief():
+            rundir.record_failure(run_dir, stop.exit_code, str(stop))
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
         print(f"ga-train: {stop}", file=sys.stderr)
         sys.exit(stop.exit_code)
+    except Exception as error:
+        if rundir.is_chief():
+            rundir.record_failure(run_dir, 1, f"{type(error).__name__}: {error}")
+        raise  # an error nobody foresaw: Hydra prints where it happened, exit code 1
+    finally:
+        rundir.release(run_dir)
     return metrics.get("val_loss", metrics.get("loss"))
 
 

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from gacli.errors import ConfigError, Interrupted  # noqa: F401  (imported from here by callers)
 from gacli.options import BatchNormPolicy, NonFinite, PartialWindow
 
 
@@ -20,21 +21,8 @@ from gacli.options import BatchNormPolicy, NonFinite, PartialWindow
 # its name: optimizer.name=adam must find OptimizerName.adam (see gacli.options).
 
 
-RESULT_FILE = "result.json"  # written last into a run directory: its presence marks a finished run
 # Keys a resumed run may change: they change neither the updates nor the order of the data.
 FREE_ON_RESUME = ("resume", "progress", "output_dir", "steps_per_execution")
-
-
-class ConfigError(ValueError):
-    """A configuration the user can fix; its message says what to type."""
-
-
-class Interrupted(Exception):
-    """Training stopped on a signal (after a checkpoint); ``exit_code`` is 128 + the signal."""
-
-    def __init__(self, message, exit_code):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class Wrapper(str, enum.Enum):
@@ -111,6 +99,7 @@ class DatasetConfig:
     features: Dict[str, Any] = field(default_factory=dict)  # tfrecord: name -> {shape, dtype}
     input_key: str = "image"  # tfrecord feature used as input
     label_key: str = "label"  # tfrecord feature used as target
+    skip_bad_files: bool = False  # image_folder: train without images that cannot be decoded
 
 
 @dataclass
@@ -250,6 +239,20 @@ def resolve_batch(micro_batch_size, accum_steps, effective_batch_size, replicas,
         accum = 1
     if micro is not None and accum is not None:
         plan = BatchPlan(micro, accum, replicas)
+        disagree = effective is not None and effective != plan.effective_batch_size
+        if disagree and not from_command_line:
+            # All three from config files: the usual cause is a YAML that sets two of them and
+            # leaves the default job's accum_steps in place.
+            derived = ("accum_steps: null", f"accum_steps = {effective // (micro * replicas)}") \
+                if effective % (micro * replicas) == 0 else \
+                ("effective_batch_size: null", f"effective_batch_size = {plan.effective_batch_size}")
+            raise ConfigError(
+                f"micro_batch_size={micro}, accum_steps={accum} and effective_batch_size="
+                f"{effective} are all set in the config files (the default job sets accum_steps: "
+                f"4) and disagree: {micro} x {accum} x {replicas} replica(s) = "
+                f"{plan.effective_batch_size}. Set the one to derive to null in your YAML, e.g. "
+                f"{derived[0]} (then {derived[1]}), or give two of them on the command line."
+            )
         if effective is not None and effective != plan.effective_batch_size:
             raise ConfigError(
                 f"effective_batch_size={effective} does not equal micro_batch_size x accum_steps x "

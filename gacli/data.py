@@ -1,18 +1,25 @@
 """Data sets for ``ga-train``: each loader returns unbatched ``tf.data`` pipelines and their shapes.
 
 ``shapes`` (synthetic segmentation) and ``digits`` (scikit-learn's bundled images) need no files
-and no network; ``npz``, ``image_folder`` and ``tfrecord`` read the user's data. A missing path or
-an unusable file is a :class:`~gacli.config.ConfigError` before any training starts.
+and no network; ``npz``, ``image_folder`` and ``tfrecord`` read the user's data.
+
+Every loader checks its data before training starts, at the cost of one read: a missing path, a
+file that cannot be read or decoded, a non-finite input, or a label outside ``[0, num_classes)``
+is a :class:`~gacli.errors.ConfigError` that names the file and the sample, so it is never found
+an hour into training.
 """
 
 import glob
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
 
-from gacli.config import ConfigError
+from gacli.errors import ConfigError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
 
@@ -27,38 +34,102 @@ class DataBundle:
     task: str  # "classification" (integer labels) or "segmentation" (binary masks)
     num_outputs: int  # classes, or mask channels
     label_shape: tuple
+    # What to call the training sample at a position of ``train`` (unshuffled) in a message,
+    # within ``source`` (a file, a folder, a bundled data set).
+    sample_name: Callable[[int], str] = lambda position: f"sample {position}"
+    source: str = "the training data"
 
 
-def _split(x, y, fraction, seed):
-    order = np.random.default_rng(seed).permutation(len(x))
-    cut = len(x) - int(round(len(x) * fraction))
-    return (x[order[:cut]], y[order[:cut]]), (x[order[cut:]], y[order[cut:]])
+def _split_order(count, fraction, seed):
+    """(training positions, validation positions) of a seeded split of ``count`` samples."""
+    order = np.random.default_rng(seed).permutation(count)
+    cut = count - int(round(count * fraction))
+    return order[:cut], order[cut:]
 
 
-def _from_arrays(x, y, cfg, seed, task, num_outputs=None):
+def _first_rows(mask, name=lambda row: f"row {row}"):
+    """'3 samples (the first: row 17)' for the rows where ``mask`` is true."""
+    rows = np.flatnonzero(mask)
+    return f"{len(rows)} sample{'s' if len(rows) != 1 else ''} (the first: {name(rows[0])})"
+
+
+def _check_arrays(x, y, cfg, source, task, num_outputs):
+    """ConfigError naming the rows of non-finite inputs or targets and of bad labels; returns
+    the number of classes for classification."""
+    if not np.issubdtype(x.dtype, np.number) and x.dtype != bool:
+        raise ConfigError(f"{source}: the inputs have dtype {x.dtype}; save numbers "
+                          "(e.g. x.astype('float32')).")
+    bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1) if len(x) else np.zeros(0, bool)
+    if bad.any():
+        raise ConfigError(
+            f"{source}: the inputs of {_first_rows(bad)} hold inf or nan; one such value turns "
+            "every weight into nan. Replace those values (e.g. numpy.nan_to_num) or drop the "
+            "samples."
+        )
+    if task == "segmentation":
+        bad = ~np.isfinite(y.reshape(len(y), -1)).all(axis=1)
+        if bad.any():
+            raise ConfigError(f"{source}: the masks of {_first_rows(bad)} hold inf or nan; "
+                              "replace or drop them.")
+        return num_outputs
+    return _check_labels(y, cfg, source, num_outputs)
+
+
+def _check_labels(y, cfg, source, num_outputs, name=lambda row: f"row {row}"):
+    """The number of classes; ConfigError naming the labels that are not class indices."""
+    if not np.issubdtype(y.dtype, np.number):
+        raise ConfigError(f"{source}: the labels have dtype {y.dtype}; classification needs "
+                          "integer class indices 0 .. num_classes-1.")
+    fractional = ~np.isfinite(y) | (y != np.round(y)) if np.issubdtype(y.dtype, np.floating) \
+        else np.zeros(len(y), bool)
+    if fractional.any():
+        raise ConfigError(
+            f"{source}: the labels of {_first_rows(fractional, name)} are not whole numbers; "
+            "classification needs integer class indices 0 .. num_classes-1 (one-hot labels: "
+            "y.argmax(axis=1))."
+        )
+    classes = num_outputs or cfg.num_classes or (int(np.max(y)) + 1 if len(y) else 0)
+    outside = (y < 0) | (y >= classes)
+    if outside.any():
+        raise ConfigError(
+            f"{source}: the labels of {_first_rows(outside, name)} lie outside 0 .. {classes - 1} "
+            f"(the first is {int(y[np.flatnonzero(outside)[0]])}); "
+            + ("set dataset.num_classes to the number of classes, or fix those labels."
+               if cfg.num_classes else "labels must be class indices counted from 0.")
+        )
+    return classes
+
+
+def _from_arrays(x, y, cfg, seed, task, num_outputs=None, source=None):
+    source = source or f"dataset {cfg.name}"
     if len(x) != len(y):
         raise ConfigError(
-            f"dataset {cfg.name}: {len(x)} inputs but {len(y)} targets; both arrays must have one "
-            "row per sample."
+            f"{source}: {len(x)} inputs but {len(y)} targets; both arrays must have one row per "
+            "sample."
         )
-    (x_train, y_train), (x_val, y_val) = _split(x, y, cfg.validation_split, seed)
-    if len(x_train) == 0:
+    num_outputs = _check_arrays(x, y, cfg, source, task, num_outputs)
+    train_rows, validation_rows = _split_order(len(x), cfg.validation_split, seed)
+    if len(train_rows) == 0:
         raise ConfigError(
-            f"dataset {cfg.name}: no training samples left after dataset.validation_split="
+            f"{source}: no training samples left after dataset.validation_split="
             f"{cfg.validation_split}; lower it, e.g. dataset.validation_split=0.1."
         )
-    if task == "classification" and num_outputs is None:
-        num_outputs = cfg.num_classes or int(np.max(y)) + 1
-    validation = tf.data.Dataset.from_tensor_slices((x_val, y_val)) if len(x_val) else None
+    x = x.astype("float32", copy=False)
+    y = y.astype("float32" if task == "segmentation" else "int32", copy=False)
+    validation = None
+    if len(validation_rows):
+        validation = tf.data.Dataset.from_tensor_slices((x[validation_rows], y[validation_rows]))
     return DataBundle(
-        train=tf.data.Dataset.from_tensor_slices((x_train, y_train)),
+        train=tf.data.Dataset.from_tensor_slices((x[train_rows], y[train_rows])),
         validation=validation,
-        train_size=len(x_train),
-        validation_size=len(x_val),
+        train_size=len(train_rows),
+        validation_size=len(validation_rows),
         input_shape=tuple(x.shape[1:]),
         task=task,
         num_outputs=num_outputs,
         label_shape=tuple(y.shape[1:]),
+        sample_name=lambda position: f"row {train_rows[position]}",
+        source=source,
     )
 
 
@@ -68,7 +139,8 @@ def digits(cfg, seed):
 
     data = load_digits()
     x = (data.images / 16.0).astype("float32")[..., None]
-    return _from_arrays(x, data.target.astype("int32"), cfg, seed, "classification", 10)
+    return _from_arrays(x, data.target.astype("int32"), cfg, seed, "classification", 10,
+                        source="scikit-learn's digits")
 
 
 def shapes(cfg, seed):
@@ -89,7 +161,8 @@ def shapes(cfg, seed):
                 shape = (np.abs(rows - cy) <= radius) & (np.abs(cols - cx) <= radius)
             images[index][shape] += 1.0
     x = np.repeat(images[..., None], cfg.channels, axis=-1)
-    return _from_arrays(x, masks[..., None], cfg, seed, "segmentation", 1)
+    return _from_arrays(x, masks[..., None], cfg, seed, "segmentation", 1,
+                        source=f"shapes (seed {seed})")
 
 
 def _require_path(cfg, what):
@@ -107,23 +180,57 @@ def npz(cfg, seed):
             f"dataset.path={cfg.path} does not exist; give the path of a .npz file with arrays "
             f"'{cfg.x_key}' and '{cfg.y_key}' (numpy.savez('train.npz', x=..., y=...))."
         )
-    with np.load(path) as arrays:
-        missing = [key for key in (cfg.x_key, cfg.y_key) if key not in arrays]
+    x, y = _read_npz(path, cfg)
+    source = os.path.basename(path)
+    if y.ndim >= 2 and y.shape[1:-1] == x.shape[1:-1] and y.ndim == x.ndim:
+        return _from_arrays(x, y, cfg, seed, "segmentation", y.shape[-1], source=source)
+    if y.ndim > 1 and int(np.prod(y.shape[1:])) != 1:
+        raise ConfigError(
+            f"{source}: '{cfg.y_key}' has shape {y.shape}, neither one label per sample nor a "
+            "mask per image; give integer labels of shape (samples,) (one-hot: y.argmax(axis=1))."
+        )
+    return _from_arrays(x, y.reshape(len(y)), cfg, seed, "classification", source=source)
+
+
+def _read_npz(path, cfg):
+    """(x, y) from a .npz file, with no pickled objects; ConfigError naming the file otherwise."""
+    advice = (f"write it with numpy.savez('{os.path.basename(path)}', {cfg.x_key}=inputs, "
+              f"{cfg.y_key}=targets) from numeric arrays")
+    try:
+        arrays = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+        raise ConfigError(
+            f"dataset.path={cfg.path} is not a readable .npz file ({_reason(error)}); {advice}."
+        ) from None
+    if not isinstance(arrays, np.lib.npyio.NpzFile):
+        raise ConfigError(
+            f"dataset.path={cfg.path} holds a single array (a .npy file), not named arrays "
+            f"'{cfg.x_key}' and '{cfg.y_key}'; {advice}."
+        )
+    with arrays:
+        missing = [key for key in (cfg.x_key, cfg.y_key) if key not in arrays.files]
         if missing:
             raise ConfigError(
                 f"{cfg.path} has no array {missing[0]!r} (it has {', '.join(arrays.files)}); set "
                 "dataset.x_key= and dataset.y_key= to the names it uses."
             )
-        x, y = arrays[cfg.x_key], arrays[cfg.y_key]
-    x = x.astype("float32")
-    if y.ndim >= 2 and y.shape[1:-1] == x.shape[1:-1] and y.ndim == x.ndim:
-        return _from_arrays(x, y.astype("float32"), cfg, seed, "segmentation", y.shape[-1])
-    return _from_arrays(x, y.astype("int32").reshape(len(y)), cfg, seed, "classification")
+        try:
+            return arrays[cfg.x_key], arrays[cfg.y_key]
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+            raise ConfigError(
+                f"dataset.path={cfg.path} is damaged: its arrays cannot be read "
+                f"({_reason(error)}); {advice}."
+            ) from None
+
+
+def _reason(error):
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "allow_pickle" in text or "pickled" in text:
+        return "it holds pickled Python objects, which are not loaded for safety"
+    return text[:160]
 
 
 def image_folder(cfg, seed):
-    import keras
-
     path = _require_path(cfg, "images")
     if not os.path.isdir(path):
         raise ConfigError(
@@ -136,28 +243,87 @@ def image_folder(cfg, seed):
             f"dataset.path={cfg.path} has {len(classes)} class sub-folder(s); image_folder needs "
             "one sub-folder per class (at least two), each holding that class's images."
         )
-    common = dict(
-        directory=path, labels="inferred", label_mode="int", class_names=classes,
-        color_mode="grayscale" if cfg.channels == 1 else "rgb",
-        image_size=(cfg.image_size, cfg.image_size), batch_size=None, shuffle=True, seed=seed,
-        verbose=False,
-    )
-    if cfg.validation_split > 0:
-        train, validation = keras.utils.image_dataset_from_directory(
-            validation_split=cfg.validation_split, subset="both", **common
+    if cfg.num_classes and cfg.num_classes < len(classes):
+        raise ConfigError(
+            f"dataset.num_classes={cfg.num_classes} but {cfg.path} has {len(classes)} class "
+            f"folders ({', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}); set "
+            f"dataset.num_classes={len(classes)} or 0 (counted from the folders)."
         )
-    else:
-        train, validation = keras.utils.image_dataset_from_directory(**common), None
-    scale = lambda image, label: (tf.cast(image, "float32") / 255.0, label)  # noqa: E731
-    train = train.map(scale, num_parallel_calls=tf.data.AUTOTUNE)
-    train_size = int(train.cardinality())
-    validation_size = 0
-    if validation is not None:
-        validation = validation.map(scale, num_parallel_calls=tf.data.AUTOTUNE)
-        validation_size = int(validation.cardinality())
-    return DataBundle(train, validation, train_size, validation_size,
-                      (cfg.image_size, cfg.image_size, cfg.channels), "classification",
-                      cfg.num_classes or len(classes), ())
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        folder = os.path.join(path, name)
+        for entry in sorted(os.listdir(folder)):
+            if entry.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(os.path.join(folder,
+                                                                                     entry)):
+                files.append(os.path.join(folder, entry))
+                labels.append(label)
+    if not files:
+        raise ConfigError(
+            f"dataset.path={cfg.path}: its class folders hold no images "
+            f"({', '.join(IMAGE_SUFFIXES)})."
+        )
+    files, labels = _drop_undecodable(files, labels, cfg)
+    train_rows, validation_rows = _split_order(len(files), cfg.validation_split, seed)
+    files, labels = np.array(files), np.array(labels, "int32")
+    size = (cfg.image_size, cfg.image_size)
+
+    def load(file, label):
+        image = tf.io.decode_image(tf.io.read_file(file), channels=cfg.channels,
+                                   expand_animations=False)
+        return tf.image.resize(image, size) / 255.0, label
+
+    def images(rows):
+        paths = tf.data.Dataset.from_tensor_slices((files[rows], labels[rows]))
+        return paths.map(load, num_parallel_calls=tf.data.AUTOTUNE)
+
+    return DataBundle(
+        images(train_rows), images(validation_rows) if len(validation_rows) else None,
+        len(train_rows), len(validation_rows), (cfg.image_size, cfg.image_size, cfg.channels),
+        "classification", cfg.num_classes or len(classes), (),
+        sample_name=lambda position: os.path.relpath(files[train_rows[position]], path),
+        source=cfg.path,
+    )
+
+
+def _drop_undecodable(files, labels, cfg):
+    """Decode every image once, before training; ConfigError naming the ones that fail, or
+    (dataset.skip_bad_files=true) the lists without them and a warning that names them."""
+
+    def decode(index, file):
+        image = tf.io.decode_image(tf.io.read_file(file), channels=cfg.channels,
+                                   expand_animations=False)
+        return index, tf.shape(image)[0]  # an output that needs the decode, so it runs
+
+    checked = tf.data.Dataset.from_tensor_slices((np.arange(len(files)), files))
+    checked = checked.map(decode, num_parallel_calls=tf.data.AUTOTUNE).ignore_errors()
+    readable = {int(index) for index, _ in checked.as_numpy_iterator()}
+    bad = [index for index in range(len(files)) if index not in readable]
+    if not bad:
+        return files, labels
+    named = "; ".join(f"{files[index]} ({_decode_error(files[index], cfg.channels)})"
+                      for index in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    if not cfg.skip_bad_files:
+        raise ConfigError(
+            f"dataset.path={cfg.path}: {len(bad)} of {len(files)} images cannot be decoded: "
+            f"{named}{more}. Replace or remove them, or train without them with "
+            "dataset.skip_bad_files=true."
+        )
+    print(f"dataset: skipping {len(bad)} image(s) that cannot be decoded "
+          f"(dataset.skip_bad_files=true): {named}{more}")
+    keep = [index for index in range(len(files)) if index in readable]
+    if not keep:
+        raise ConfigError(f"dataset.path={cfg.path}: none of its {len(files)} images can be "
+                          "decoded.")
+    return [files[index] for index in keep], [labels[index] for index in keep]
+
+
+def _decode_error(file, channels):
+    try:
+        tf.io.decode_image(tf.io.read_file(file), channels=channels, expand_animations=False)
+    except (tf.errors.OpError, ValueError) as error:
+        return _reason(error).rsplit("}} ", 1)[-1].strip()
+    return "unreadable"
 
 
 def tfrecord(cfg, seed):
@@ -178,27 +344,83 @@ def tfrecord(cfg, seed):
         name: tf.io.FixedLenFeature(list(feature["shape"]), feature.get("dtype", "float32"))
         for name, feature in cfg.features.items()
     }
+    counts, labels = [], []
+    for file in files:
+        count, file_labels = _scan_tfrecord(file, spec, cfg)
+        counts.append(count)
+        labels.append(file_labels)
+    starts = np.cumsum([0] + counts)
+    total = int(starts[-1])
+
+    def record_name(index):
+        file = int(np.searchsorted(starts, index, side="right")) - 1
+        return f"{os.path.basename(files[file])} record {index - starts[file]}"
+
+    source = cfg.path if len(files) > 1 else files[0]
+    labels = np.concatenate(labels) if labels else np.zeros(0, "int64")
+    label_rows = labels.reshape(len(labels), -1) if labels.ndim > 1 else labels
+    num_outputs = _check_labels(label_rows if label_rows.ndim == 1 else label_rows[:, 0], cfg,
+                                source, None, record_name)
 
     def parse(record):
         example = tf.io.parse_single_example(record, spec)
         return tf.cast(example[cfg.input_key], "float32"), example[cfg.label_key]
 
-    records = tf.data.TFRecordDataset(files)
-    total = sum(1 for _ in records)
     validation_size = int(round(total * cfg.validation_split))
-    parsed = records.map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+    parsed = tf.data.TFRecordDataset(files).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
     # The count is known: telling tf.data lets Keras size epochs without running out of data.
     train = parsed.skip(validation_size).apply(
         tf.data.experimental.assert_cardinality(total - validation_size)
     )
     validation = parsed.take(validation_size) if validation_size else None
-    label_shape = tuple(cfg.features[cfg.label_key]["shape"])
-    num_outputs = cfg.num_classes
-    if not num_outputs:
-        num_outputs = int(max(int(np.max(label)) for _, label in parsed)) + 1
     return DataBundle(train, validation, total - validation_size, validation_size,
                       tuple(cfg.features[cfg.input_key]["shape"]), "classification", num_outputs,
-                      label_shape)
+                      tuple(cfg.features[cfg.label_key]["shape"]),
+                      sample_name=lambda position: record_name(position + validation_size),
+                      source=os.path.dirname(files[0]) if len(files) > 1 else files[0])
+
+
+def _scan_tfrecord(file, spec, cfg):
+    """(records, labels) of one TFRecord file, read once in batches; ConfigError naming the file
+    (and the record, when one does not parse) for damage, bad features or non-finite inputs."""
+    batches = tf.data.TFRecordDataset(file).batch(1024)
+    count, labels = 0, []
+    try:
+        for records in batches:
+            examples = tf.io.parse_example(records, spec)
+            inputs = examples[cfg.input_key]
+            if inputs.dtype.is_floating:
+                finite = tf.reduce_all(tf.reshape(tf.math.is_finite(inputs), [len(records), -1]),
+                                       axis=1).numpy()
+                if not finite.all():
+                    raise ConfigError(
+                        f"{file} record {count + int(np.flatnonzero(~finite)[0])}: its "
+                        f"'{cfg.input_key}' holds inf or nan, which would turn every weight into "
+                        "nan; replace or drop such records."
+                    )
+            labels.append(examples[cfg.label_key].numpy())
+            count += len(records)
+    except tf.errors.DataLossError as error:
+        raise ConfigError(
+            f"{file} is damaged after its first {count} records ({_reason(error)}); rewrite it, "
+            "or leave it out of dataset.path."
+        ) from None
+    except tf.errors.InvalidArgumentError as error:
+        raise ConfigError(
+            f"{file} record {count + _first_unparsable(file, spec, count)} does not match "
+            f"dataset.features ({_reason(error).rsplit('}} ', 1)[-1].strip()}); describe its "
+            "features as they are stored (shape and dtype of each)."
+        ) from None
+    return count, np.concatenate(labels) if labels else np.zeros(0, "int64")
+
+
+def _first_unparsable(file, spec, start):
+    for index, record in enumerate(tf.data.TFRecordDataset(file).skip(start)):
+        try:
+            tf.io.parse_single_example(record, spec)
+        except tf.errors.InvalidArgumentError:
+            return index
+    return 0
 
 
 LOADERS = {

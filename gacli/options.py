@@ -16,8 +16,9 @@ class PartialWindow(str, enum.Enum):
 
 
 class NonFinite(str, enum.Enum):
-    """What a micro-batch with a non-finite (inf/nan) gradient does to its window (P2)."""
+    """What a micro-batch with a non-finite (inf/nan) gradient does to its window."""
 
+    stop = "stop"  # no update from that micro-batch on; fit() raises NonFiniteError
     skip_micro_batch = "skip_micro_batch"  # drop that micro-batch; the window goes on
     skip_window = "skip_window"  # drop the whole window, as DeepSpeed and Lightning do
 

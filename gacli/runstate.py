@@ -6,27 +6,42 @@ data has its own seeded order (:func:`micro_batch_stream`), a restored run reads
 micro-batches the uninterrupted run would have read next, even from the middle of a window.
 
 TensorFlow writes a checkpoint's data files first and its index file last, so an interrupted save
-leaves the previous checkpoint intact. Under MultiWorkerMirroredStrategy every worker takes part in
+leaves the previous checkpoint intact; a checkpoint damaged afterwards (a full disk, a copy cut
+short) is found on restore, set aside, and the newest intact one is used instead. Under MultiWorkerMirroredStrategy every worker takes part in
 a save (reading the accumulators is a collective); only the chief writes into the run directory,
 the others into a temporary directory that is removed afterwards.
 """
 
+import glob
 import os
 import shutil
 import signal
 import tempfile
+import time
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from gacli.config import Interrupted
-
-CHECKPOINT_DIR = "checkpoints"
+from gacli.errors import ConfigError, Interrupted
+from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, looks_intact
 
 
 def pass_seed(seed, pass_index):
     """The shuffle seed of one pass over the data: from the run's seed and the pass alone."""
     return (seed * 1_000_003 + pass_index) % (2**31 - 1)
+
+
+def pass_order(size, pass_index, shuffle_seed=None, buffer_size=10_000):
+    """The order in which pass ``pass_index`` of :func:`micro_batch_stream` reads the ``size``
+    samples: their positions in the unshuffled data set. tf.data's seeded shuffle orders by the
+    seed, buffer and count alone, never by the elements, so a range of positions shuffles as the
+    data does."""
+    positions = tf.data.Dataset.range(size)
+    if shuffle_seed is not None:
+        positions = positions.shuffle(buffer_size, seed=pass_seed(shuffle_seed, pass_index),
+                                      reshuffle_each_iteration=False)
+    return np.fromiter(positions.as_numpy_iterator(), dtype=np.int64, count=size)
 
 
 def micro_batch_stream(dataset, batch_size, micro_batches_per_pass, start, count, shuffle_seed=None,
@@ -77,21 +92,76 @@ class RunState:
         self.micro_batch = tf.Variable(0, dtype="int64", trainable=False)
         self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
                                               epoch=self.epoch, micro_batch=self.micro_batch)
+        self.run_dir = run_dir
         self.directory = os.path.join(run_dir, CHECKPOINT_DIR)
         self.chief = chief
+        self.max_to_keep = max_to_keep
         self._scratch = None if chief else tempfile.mkdtemp(prefix="gacli-worker-")
-        self.manager = tf.train.CheckpointManager(
-            self.checkpoint, self.directory if chief else self._scratch, max_to_keep=max_to_keep
-        )
+        self._manager = None  # made on the first save, after restore() has set the folder right
 
-    def restore(self):
-        """Load the run directory's latest checkpoint: (epoch, micro-batch) to go on from, or
-        None when there is none."""
-        latest = tf.train.latest_checkpoint(self.directory)
-        if latest is None:
+    @property
+    def manager(self):
+        if self._manager is None:
+            self._manager = tf.train.CheckpointManager(
+                self.checkpoint, self.directory if self.chief else self._scratch,
+                max_to_keep=self.max_to_keep,
+            )
+        return self._manager
+
+    def restore(self, warn=print):
+        """Load the newest checkpoint that reads back whole: (epoch, micro-batch) to go on from,
+        or None when the run has no checkpoint at all.
+
+        Checkpoints are tried newest first, each read in full (every tensor, with its checksum)
+        before anything is restored from it. The damaged ones are named through ``warn`` and moved
+        to ``checkpoints/damaged-<time>/``. The ``checkpoint`` file is not trusted (a garbled or
+        stale one is rewritten). When checkpoints exist but none reads back, ConfigError: the run
+        is never started again from scratch over them.
+        """
+        numbers = checkpoint_numbers(self.run_dir)
+        if not numbers:
             return None
-        self.checkpoint.restore(latest).assert_existing_objects_matched()
+        damaged = []
+        for number in numbers:
+            prefix = os.path.join(self.directory, f"ckpt-{number}")
+            problem = checkpoint_damage(prefix)
+            if problem is None:
+                break
+            damaged.append((prefix, problem))
+        else:
+            listed = "; ".join(f"{os.path.basename(p)}: {problem}" for p, problem in damaged[:3])
+            raise ConfigError(
+                f"resume: none of the {len(damaged)} checkpoints in {self.directory} can be read "
+                f"({listed}). The run cannot be continued; start it again without resume= (a new "
+                "directory), or restore the checkpoints folder from a backup."
+            )
+        self.checkpoint.restore(prefix).assert_existing_objects_matched()
+        if self.chief:
+            self._set_aside(damaged, warn)
+            intact = [os.path.join(self.directory, f"ckpt-{n}") for n in sorted(numbers)
+                      if n <= number]
+            tf.compat.v1.train.update_checkpoint_state(
+                self.directory, prefix, all_model_checkpoint_paths=intact
+            )
+        else:  # the chief sets the damaged ones aside; the other workers only skip them
+            for path, problem in damaged:
+                warn(f"resume: {os.path.basename(path)} is damaged ({problem}); skipped")
         return int(self.epoch.numpy()), int(self.micro_batch.numpy())
+
+    def _set_aside(self, damaged, warn):
+        if not damaged:
+            return
+        aside = os.path.join(self.directory, time.strftime("damaged-%Y%m%d-%H%M%S"))
+        os.makedirs(aside, exist_ok=True)
+        for prefix, problem in damaged:
+            for path in glob.glob(glob.escape(prefix) + ".*"):
+                shutil.move(path, os.path.join(aside, os.path.basename(path)))
+            warn(f"resume: {os.path.basename(prefix)} is damaged ({problem}); moved to {aside}")
+
+    def latest(self):
+        """The newest checkpoint of the run so far (its path prefix), or None."""
+        numbers = checkpoint_numbers(self.run_dir)
+        return os.path.join(self.directory, f"ckpt-{numbers[0]}") if numbers else None
 
     def save(self, epoch, micro_batch):
         self.epoch.assign(epoch)
@@ -101,6 +171,19 @@ class RunState:
     def close(self):
         if self._scratch:
             shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def checkpoint_damage(prefix):
+    """None when checkpoint ``prefix`` reads back whole, else what is wrong with it (one line)."""
+    if not looks_intact(prefix):
+        return "its index or data files are missing or cut short"
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)  # reads the bytes and checks their checksum
+    except (tf.errors.OpError, IndexError, ValueError, OSError) as error:
+        return str(error).strip().splitlines()[0][:200]
+    return None
 
 
 def scratch_or(path, chief):

@@ -85,13 +85,3 @@ def is_multi_worker(strategy):
     return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
         strategy.extended._in_multi_worker_mode()
     )
-
-
-def is_chief():
-    """Whether this process writes logs and checkpoints (worker 0 of a multi-worker cluster)."""
-    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-    task = config.get("task", {})
-    return task.get("type", "chief") == "chief" or (
-        task.get("type") == "worker" and task.get("index", 0) == 0
-        and "chief" not in config.get("cluster", {})
-    )

@@ -7,7 +7,6 @@ and logged.
 
 import contextlib
 import hashlib
-import json
 import logging
 import math
 import os
@@ -17,20 +16,23 @@ import keras
 import numpy as np
 from omegaconf import OmegaConf
 
-from gacli.accumulation import GradientAccumulateOptimizer, find_accumulating_optimizer
+from gacli.accumulation import (GradientAccumulateOptimizer, NonFiniteError, StopOnNonFinite,
+                                find_accumulating_optimizer)
 from gacli.accumulate_model import WindowCallback, wrap_model
 from gacli.batchnorm import apply_batchnorm_policy
-from gacli.config import (FREE_ON_RESUME, RESULT_FILE, ConfigError, PartialWindow, Policy,
-                          Wrapper, resolve_batch)
+from gacli.config import FREE_ON_RESUME, PartialWindow, Policy, Wrapper, resolve_batch
 from gacli.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.data import load_dataset
 from gacli.host_memory import HostMemoryCallback
 from gacli.models import build_model
 from gacli.optimizers import build_optimizer
 from gacli.run_logging import TensorBoardLogger, host_memory_bytes
-from gacli.runstate import (CHECKPOINT_DIR, RunCheckpoint, RunState, StopSignals,
-                            micro_batch_stream, scratch_or)
-from gacli.strategy import is_chief, is_multi_worker, make_strategy
+from gacli.errors import ConfigError, TrainingFailed
+from gacli.rundir import (CHECKPOINT_DIR, RESULT_FILE, check_usable, check_writable, is_chief,
+                          write_json)
+from gacli.runstate import (RunCheckpoint, RunState, StopSignals, micro_batch_stream, pass_order,
+                            scratch_or)
+from gacli.strategy import is_multi_worker, make_strategy
 
 _KERAS_POLICY = {
     Policy.fp32: "float32",
@@ -90,6 +92,42 @@ def _check_fits(model, data):
         )
 
 
+def _nonfinite_policy(precision):
+    """The configured policy; by default loss scaling's skip under mixed_float16 (an overflow
+    there is routine: the scale halves and training goes on) and stop otherwise, so that a nan
+    never reaches the weights unnoticed."""
+    if precision.nonfinite is not None:
+        return precision.nonfinite.value
+    return "skip_micro_batch" if precision.policy == Policy.mixed_float16 else "stop"
+
+
+def _check_batch_fits_data(cfg, plan, train_size):
+    """ConfigError when a micro-batch, or a window meant to lie within one pass, is larger than
+    the training set: each update would see fewer samples than the configured batch."""
+    windows_span_passes = cfg.steps_per_epoch is not None or cfg.partial_window == \
+        PartialWindow.carry
+    if plan.global_micro_batch_size > train_size:
+        per_replica = " x replicas" if plan.replicas > 1 else ""
+        raise ConfigError(
+            f"micro_batch_size{per_replica} = {plan.global_micro_batch_size} is larger than the "
+            f"training set, which holds {train_size} samples (dataset {cfg.dataset.name}, after "
+            f"validation_split={cfg.dataset.validation_split}): every micro-batch would hold "
+            f"{train_size} samples, not {plan.global_micro_batch_size}. Use a smaller "
+            f"micro_batch_size, e.g. micro_batch_size={max(1, train_size // (2 * plan.replicas))}"
+            ", or more data."
+        )
+    if plan.effective_batch_size > train_size and not windows_span_passes:
+        fitting = train_size // plan.global_micro_batch_size
+        raise ConfigError(
+            f"effective_batch_size = {plan.effective_batch_size} is larger than the training set, "
+            f"which holds {train_size} samples (dataset {cfg.dataset.name}, after "
+            f"validation_split={cfg.dataset.validation_split}): every update would see "
+            f"{train_size} samples, not {plan.effective_batch_size}. Use accum_steps={fitting} "
+            f"(effective batch {fitting * plan.global_micro_batch_size}) or fewer, or more data; "
+            "or let windows run across passes with partial_window=carry."
+        )
+
+
 def _steps_per_execution(cfg, plan, wrapper):
     """Micro-batches per compiled call: by default a window's, so that fit()'s per-step cost
     (Python, callbacks, the function call) is paid once an update instead of once a micro-batch."""
@@ -108,19 +146,9 @@ def _steps_per_execution(cfg, plan, wrapper):
 
 
 def _guard_run_dir(cfg, run_dir):
-    """Refuse to write over a finished run, or into an unfinished one without ``resume``."""
-    if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
-        raise ConfigError(
-            f"{run_dir} holds a finished run, which is never overwritten"
-            + ("; there is nothing to resume. " if cfg.resume else ". ")
-            + "Leave hydra.run.dir unset (each run gets a new directory) or pick a new one."
-        )
-    checkpoints = os.path.join(run_dir, CHECKPOINT_DIR)
-    if not cfg.resume and os.path.exists(os.path.join(checkpoints, "checkpoint")):
-        raise ConfigError(
-            f"{run_dir} holds an unfinished run; continue it with resume={run_dir} (or the same "
-            "command with resume=true), or leave hydra.run.dir unset to start a new run."
-        )
+    """Refuse to write over a finished run, or into an unfinished one without ``resume``, or to
+    resume with settings that change the maths."""
+    check_usable(run_dir, cfg.resume)
     resolved = os.path.join(run_dir, "resolved.yaml")
     if cfg.resume and os.path.exists(resolved):
         before = OmegaConf.to_container(OmegaConf.load(resolved))
@@ -165,7 +193,11 @@ def train(cfg, run_dir, given=(), parallel_jobs=False):
     console = make_console()
     console.print(f"run directory: {run_dir}", soft_wrap=True)
     _guard_run_dir(cfg, run_dir)
-    os.makedirs(run_dir, exist_ok=True)
+    if is_chief():
+        # Found now, not at the first save after an epoch of training.
+        check_writable(run_dir, "the run directory")
+        if cfg.checkpoint:
+            check_writable(os.path.join(run_dir, CHECKPOINT_DIR), "the checkpoint folder")
     strategy = make_strategy(cfg.strategy)
     plan = resolve_batch(cfg.micro_batch_size, cfg.accum_steps, cfg.effective_batch_size,
                          strategy.num_replicas_in_sync, given)
@@ -182,6 +214,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     for name in ("absl", "tensorflow"):
         logging.getLogger(name).setLevel(logging.WARNING)
     data = load_dataset(cfg.dataset, cfg.seed)
+    _check_batch_fits_data(cfg, plan, data.train_size)
     micro_batches = math.ceil(data.train_size / plan.global_micro_batch_size)
     if cfg.steps_per_epoch:
         updates_per_epoch = cfg.steps_per_epoch
@@ -205,7 +238,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     steps_per_execution = _steps_per_execution(cfg, plan, wrapper)
     loss, metrics = loss_and_metrics(data.task, data.num_outputs)
     optimizer_cfg = cfg.optimizer
-    nonfinite = None if cfg.precision.nonfinite is None else cfg.precision.nonfinite.value
+    nonfinite = _nonfinite_policy(cfg.precision)
     with strategy.scope():
         keras.utils.set_random_seed(cfg.seed)
         model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
@@ -260,6 +293,9 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         # A plain model's fit() does not close windows at epoch ends; this callback does.
         callbacks.insert(0, WindowCallback(accumulator))
         callbacks.append(HostMemoryCallback())
+    if nonfinite == "stop":
+        # Before the logger and the checkpoints: a halted step is neither logged nor saved.
+        callbacks.insert(0, StopOnNonFinite(accumulator))
     if chief:
         hparams = {
             "accum_steps": plan.accum_steps, "micro_batch_size": plan.micro_batch_size,
@@ -276,7 +312,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     if cfg.resume:
         with strategy.scope():
             model.optimizer.build(model.trainable_variables)
-        restored = state.restore()
+        restored = state.restore(warn=lambda message: console.print(message, style="yellow"))
         if restored is None:
             console.print(f"resume: no checkpoint in {run_dir} yet; starting from the beginning")
         else:
@@ -307,9 +343,15 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
                 # A resumed epoch is a fit() of its own: its end is not the run's end.
                 last = end == cfg.epochs
                 with contextlib.nullcontext() if last else accumulator.fit_continues():
-                    segment = model.fit(stream, validation_data=validation, initial_epoch=first,
-                                        epochs=end, steps_per_epoch=steps, verbose=0,
-                                        callbacks=callbacks, shuffle=False)
+                    try:
+                        segment = model.fit(stream, validation_data=validation,
+                                            initial_epoch=first, epochs=end,
+                                            steps_per_epoch=steps, verbose=0,
+                                            callbacks=callbacks, shuffle=False)
+                    except NonFiniteError as error:
+                        raise TrainingFailed(_where_nonfinite(
+                            error.micro_step, cfg, data, plan, epoch_length, micro_batches,
+                            state, run_dir)) from None
                 for key, values in segment.history.items():
                     history.setdefault(key, []).extend(values)
         if not history:
@@ -327,19 +369,19 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     ).hexdigest()[:16]
     if cfg.checkpoint:
         # Every worker saves (reading the accumulators is a collective); only the chief keeps it.
-        path = scratch_or(os.path.join(run_dir, "model.keras"), chief)
+        # Written under another name first: a model.keras that exists is a whole one.
+        path = scratch_or(os.path.join(run_dir, ".model-writing.keras"), chief)
         model.save(path)
-        if not chief:
+        if chief:
+            os.replace(path, os.path.join(run_dir, "model.keras"))
+        else:
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     if chief:
         result = dict(final, optimizer_step=int(accumulator.optimizer_step.numpy()),
                       micro_step=int(accumulator.micro_step.numpy()),
                       effective_batch_size=plan.effective_batch_size, weights_sha256=fingerprint,
                       host_peak_rss_bytes=host_memory_bytes()[1])
-        temporary = os.path.join(run_dir, RESULT_FILE + ".tmp")
-        with open(temporary, "w") as handle:
-            json.dump(result, handle, indent=2)
-        os.replace(temporary, os.path.join(run_dir, RESULT_FILE))
+        write_json(os.path.join(run_dir, RESULT_FILE), result)
     rows = {key: f"{value:.4f}" for key, value in final.items()}
     rows["updates / micro-batches"] = (
         f"{int(accumulator.optimizer_step.numpy())} / {int(accumulator.micro_step.numpy())}"
@@ -349,6 +391,33 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     summary_table(console, rows)
     console.print(f"run directory: {run_dir}", soft_wrap=True)
     return final
+
+
+def _where_nonfinite(micro_step, cfg, data, plan, epoch_length, micro_batches, state, run_dir):
+    """The message of a run halted on a non-finite gradient: where, which samples, what is kept."""
+    index = micro_step - 1  # micro-batches are counted from 1 by the engine
+    epoch, in_epoch = divmod(index, epoch_length)
+    data_pass, in_pass = divmod(index, micro_batches)
+    first = in_pass * plan.global_micro_batch_size
+    last = min(first + plan.global_micro_batch_size, data.train_size)
+    order = pass_order(data.train_size, data_pass,
+                       shuffle_seed=cfg.seed if cfg.dataset.shuffle else None,
+                       buffer_size=min(data.train_size, 10_000))
+    names = [data.sample_name(int(position)) for position in order[first:last]]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    saved = state.latest()
+    kept = (f"The last checkpoint, {saved}, is from before it and is kept; " if saved else
+            "No checkpoint was written before it; ")
+    return (
+        f"training stopped at epoch {epoch + 1}, micro-batch {in_epoch + 1} of {epoch_length}: "
+        f"its loss or gradient was not finite (inf or nan). It held the samples at positions "
+        f"{first}-{last - 1} of pass {data_pass + 1} over the training data ({data.source}: "
+        f"{shown}). No update used it. {kept}result.json and model.keras are not written. If "
+        "those samples are clean, the model diverged: start again with a lower "
+        "optimizer.learning_rate or with optimizer.clipnorm=1.0; precision.nonfinite="
+        "skip_micro_batch would train on past such micro-batches instead. If they are not, fix "
+        f"them and continue from the last checkpoint with resume={run_dir}."
+    )
 
 
 def _segments(position, epoch_length, epochs, per_epoch=False):

@@ -77,26 +77,46 @@ def fit_case(wrapper, optimizer, replicas, samples, micro, accum_steps, steps_pe
     return max_weight_difference(model, reference)
 
 
-def custom_loop_case(optimizer, replicas, samples, micro, accum_steps):
-    """A user's loop: strategy.run per global micro-batch, each replica passing its count."""
+def custom_loop_case(optimizer, replicas, samples, micro, accum_steps, loss_style="local-mean"):
+    """A user's loop: strategy.run per global micro-batch, each replica passing its count.
+
+    ``loss_style``, the three ways Keras and TensorFlow users write a replica's loss:
+    ``local-mean`` (the replica's mean), ``keras-loss`` (a keras.losses.Loss called in replica
+    context: the mean divided by the replicas) and ``compute-average-loss``
+    (tf.nn.compute_average_loss with the global micro-batch size).
+    """
     x, y, reference, strategy = setting(optimizer, replicas, samples, micro, accum_steps)
     with strategy.scope():
         model = plain_model()
         accumulator = gacli.GradientAccumulateOptimizer(OPTIMIZERS[optimizer](),
                                                         accum_steps=accum_steps)
         accumulator.build(model.trainable_variables)
+        keras_loss = keras.losses.MeanSquaredError()
+    global_micro = micro * replicas
     dataset = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(micro * replicas)
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(global_micro)
     )
 
     @tf.function
     def train_micro_batch(x_batch, y_batch):
         def on_replica(x_local, y_local):
+            count = tf.shape(x_local)[0]
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(x_local, training=True) - y_local))
+                prediction = model(x_local, training=True)
+                if loss_style == "keras-loss":
+                    loss = keras_loss(y_local, prediction)
+                    divisor = count * strategy.num_replicas_in_sync
+                elif loss_style == "compute-average-loss":
+                    per_example = tf.reduce_mean(tf.square(prediction - y_local), axis=-1)
+                    loss = tf.nn.compute_average_loss(per_example,
+                                                      global_batch_size=global_micro)
+                    divisor = global_micro
+                else:
+                    loss = tf.reduce_mean(tf.square(prediction - y_local))
+                    divisor = None
             grads = tape.gradient(loss, model.trainable_variables)
             accumulator.apply_gradients(zip(grads, model.trainable_variables),
-                                        sample_count=tf.shape(x_local)[0])
+                                        sample_count=count, loss_divisor=divisor)
 
         strategy.run(on_replica, args=(x_batch, y_batch))
 
@@ -116,8 +136,9 @@ def main():
         # A plain model's fit() weighs micro-batches equally: full windows only.
         results[f"optimizer-2replicas-{optimizer}"] = fit_case("optimizer", optimizer, 2, 128,
                                                                16, 2)
-        results[f"custom-loop-2replicas-ragged-{optimizer}"] = custom_loop_case(
-            optimizer, 2, 70, 16, 2)
+        for style in ("local-mean", "keras-loss", "compute-average-loss"):
+            results[f"custom-loop-{style}-2replicas-ragged-{optimizer}"] = custom_loop_case(
+                optimizer, 2, 70, 16, 2, style)
         # Several micro-batches a compiled call (gacli's own loop under several replicas): 3 does
         # not divide the epoch's 5 micro-batches, and windows of 2 straddle the calls.
         results[f"model-2replicas-ragged-steps_per_execution-{optimizer}"] = fit_case(

@@ -1,5 +1,7 @@
 """Contract rows D1 and D3 under MirroredStrategy with 1 and 2 replicas (logical CPU devices):
-both wrappers and a custom loop match a single-device big-batch run, ragged data included."""
+both wrappers and a custom loop match a single-device big-batch run, ragged data included. The
+custom loop is written the three ways users write a replica's loss (its mean, a keras.losses.Loss,
+tf.nn.compute_average_loss)."""
 
 import json
 import os
@@ -24,7 +26,9 @@ def distributed_results():
 CASES = [
     f"{kind}-{optimizer}"
     for kind in ("model-2replicas-ragged", "model-1replica-ragged", "optimizer-2replicas",
-                 "custom-loop-2replicas-ragged", "model-2replicas-ragged-steps_per_execution")
+                 "custom-loop-local-mean-2replicas-ragged", "custom-loop-keras-loss-2replicas-ragged",
+                 "custom-loop-compute-average-loss-2replicas-ragged",
+                 "model-2replicas-ragged-steps_per_execution")
     for optimizer in ("momentum", "adam")
 ] + [
     f"{kind}-{clipping}"

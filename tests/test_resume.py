@@ -3,6 +3,7 @@ the weights of an uninterrupted run; run directories are never overwritten."""
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,3 +170,113 @@ def test_a_stream_of_many_passes_holds_the_data_once():
                           timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     growth = int(done.stdout.split("GROWTH")[-1])
     assert growth < 3 * 16 * 2**20, done.stdout + done.stderr[-2000:]
+
+
+def interrupt_after_checkpoints(cwd, count):
+    """Start the job, wait for ``count`` checkpoints, SIGTERM it (it saves one more); the run
+    directory."""
+    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *JOB]
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    pattern = os.path.join(cwd, "outputs", "default", "*", "checkpoints", "ckpt-*.index")
+    deadline = time.time() + 300
+    while len(glob.glob(pattern)) < count:
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode == 128 + signal.SIGTERM, output
+    (run_dir,) = glob.glob(os.path.join(cwd, "outputs", "default", "*"))
+    return run_dir
+
+
+def newest_checkpoint(run_dir):
+    numbers = [int(path.rsplit("ckpt-", 1)[1].split(".")[0])
+               for path in glob.glob(os.path.join(run_dir, "checkpoints", "ckpt-*.index"))]
+    return os.path.join(run_dir, "checkpoints", f"ckpt-{max(numbers)}"), sorted(numbers)
+
+
+def truncate(prefix):
+    (data,) = glob.glob(prefix + ".data-*")
+    with open(data, "r+b") as handle:
+        handle.truncate(os.path.getsize(data) // 2)
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory):
+    """A SIGTERM'd run with two checkpoints (the newest saved at the signal), to copy and damage."""
+    return interrupt_after_checkpoints(tmp_path_factory.mktemp("interrupted"), 1)
+
+
+DAMAGE = {
+    # The newest checkpoint's data file cut short (a full disk, a copy that stopped).
+    "truncated-newest": lambda run_dir: truncate(newest_checkpoint(run_dir)[0]),
+    # The newest checkpoint deleted, and the 'checkpoint' index file garbled.
+    "deleted-newest-garbled-index": lambda run_dir: (
+        [os.remove(path) for path in glob.glob(newest_checkpoint(run_dir)[0] + ".*")],
+        open(os.path.join(run_dir, "checkpoints", "checkpoint"), "w").write("}{ garbage"),
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_resume_goes_on_from_the_newest_intact_checkpoint(damage, interrupted_run, tmp_path,
+                                                          uninterrupted):
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(interrupted_run, run_dir)
+    newest, numbers = newest_checkpoint(run_dir)
+    assert len(numbers) == 2, numbers
+    DAMAGE[damage](run_dir)
+    code, output = ga_train(*JOB, f"resume={run_dir}", cwd=tmp_path)
+    assert code == 0, output
+    if damage == "truncated-newest":
+        assert f"resume: ckpt-{numbers[1]} is damaged" in output, output
+        # Set aside, not deleted.
+        assert glob.glob(os.path.join(run_dir, "checkpoints", "damaged-*",
+                                      f"ckpt-{numbers[1]}.index"))
+    assert "starting from the beginning" not in output, output
+    assert "resume: from epoch" in output, output
+    measured = difference(run_dir, uninterrupted)
+    MEASURED.setdefault(f"test_resume_after_damage[{damage}]", []).append(measured)
+    assert measured <= 1e-6
+
+
+@pytest.mark.slow
+def test_no_readable_checkpoint_is_a_clear_error_that_deletes_nothing(interrupted_run, tmp_path):
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(interrupted_run, run_dir)
+    _, numbers = newest_checkpoint(run_dir)
+    for number in numbers:
+        truncate(os.path.join(run_dir, "checkpoints", f"ckpt-{number}"))
+    before = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+    code, output = ga_train(*JOB, f"resume={run_dir}", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert f"resume: none of the 2 checkpoints in {run_dir}/checkpoints can be read" in output
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == before
+
+
+@pytest.mark.slow
+def test_resume_true_passes_over_runs_with_nothing_to_resume(interrupted_run, tmp_path,
+                                                             uninterrupted):
+    outputs = tmp_path / "outputs" / "default"
+    resumable = str(outputs / "2020-01-01_00-00-00-000000")
+    shutil.copytree(interrupted_run, resumable)
+    # Newer runs of the same command: one killed before its first checkpoint, one whose only
+    # checkpoint is cut short.
+    for name, keep in (("2030-01-01_00-00-00-000000", False), ("2031-01-01_00-00-00-000000", True)):
+        shutil.copytree(interrupted_run, outputs / name)
+        checkpoints = outputs / name / "checkpoints"
+        if keep:
+            _, numbers = newest_checkpoint(str(outputs / name))
+            for number in numbers:
+                (data,) = glob.glob(str(checkpoints / f"ckpt-{number}.data-*"))
+                os.truncate(data, 0)
+        else:
+            shutil.rmtree(checkpoints)
+    code, output = ga_train(*JOB, "resume=true", cwd=tmp_path)
+    assert code == 0, output
+    assert run_dir_of(output) == resumable, output
+    measured = difference(resumable, uninterrupted)
+    MEASURED.setdefault("test_resume_true_passes_over", []).append(measured)
+    assert measured <= 1e-6

@@ -1,5 +1,9 @@
 """Contract rows C4 and C5: wrapping adds no weights; saving keeps settings and the open window."""
 
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -93,3 +97,61 @@ def test_c5_tf_train_checkpoint_carries_the_open_window(tmp_path):
     for a, b in zip(restored._accumulators, optimizer._accumulators):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert max_weight_difference(model, other) == 0.0
+
+
+SAVE_ALL_KINDS = """
+import sys
+import keras, numpy as np
+import gacli
+x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+inputs = keras.Input((3,))
+functional = gacli.GradientAccumulateModel(accum_steps=2, inputs=inputs,
+                                           outputs=keras.layers.Dense(1)(inputs))
+wrapped = gacli.wrap_model(keras.Sequential([
+    keras.Input((3,)), keras.layers.Dense(2), gacli.AccumBatchNormalization(accum_steps=2),
+    keras.layers.Dense(1)]), 2)
+plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+for name, model, optimizer in (("functional", functional, "adam"), ("wrapped", wrapped, "sgd"),
+                               ("plain", plain, gacli.GradientAccumulateOptimizer("adam", 2))):
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=4, verbose=0)
+    model.save(f"{sys.argv[1]}/{name}.keras")
+"""
+
+LOAD = """
+{imports}
+import sys
+for name in ("functional", "wrapped", "plain"):
+    model = keras.models.load_model(f"{{sys.argv[1]}}/{{name}}.keras")
+    print(name, type(model).__name__, type(model.optimizer).__name__)
+"""
+
+
+ENVIRONMENT = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("saved")
+    saved = subprocess.run([sys.executable, "-c", SAVE_ALL_KINDS, str(folder)],
+                           capture_output=True, text=True, timeout=300, env=ENVIRONMENT)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    return folder
+
+
+@pytest.mark.parametrize("imports", [
+    "import gacli\nimport keras",
+    "import keras\nimport gacli",
+    "import gacli\nimport tensorflow as tf\nkeras = tf.keras",
+])
+def test_saved_models_load_in_a_new_process_after_import_gacli(imports, saved_models):
+    """No other import: gacli's classes are registered when Keras loads."""
+    loaded = subprocess.run([sys.executable, "-c", LOAD.format(imports=imports),
+                             str(saved_models)],
+                            capture_output=True, text=True, timeout=300, env=ENVIRONMENT)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split("\n")[:3] == [
+        "functional GradientAccumulateModel GradientAccumulateOptimizer",
+        "wrapped GradientAccumulateModel GradientAccumulateOptimizer",  # a Sequential wraps as one
+        "plain Sequential GradientAccumulateOptimizer",
+    ], loaded.stdout

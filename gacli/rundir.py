@@ -1,0 +1,197 @@
+"""A run directory's life: who owns it, whether it finished, which checkpoints it holds.
+
+- A run holds an advisory lock on its directory from before Hydra writes into it until the process
+  ends, so a second ``ga-train`` on the same directory stops with the holder's name instead of
+  writing over it.
+- ``result.json`` is written last, atomically: its presence marks a finished run, which nothing
+  writes to again.
+- A run that failed while training leaves ``failure.json`` (exit code and message) beside its
+  checkpoints; one that failed on its input before training leaves nothing.
+
+No TensorFlow here: these checks answer before TensorFlow loads. Which checkpoint can really be
+restored is decided by :class:`gacli.runstate.RunState`, which reads every tensor; the cheap check
+here (an index file with its end marker, every data shard present) only picks candidates.
+"""
+
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; runs there are not protected from each other
+    fcntl = None
+
+from gacli.errors import ConfigError
+
+RESULT_FILE = "result.json"
+FAILURE_FILE = "failure.json"
+CHECKPOINT_DIR = "checkpoints"
+LOCK_FILE = ".gacli.lock"
+# The last 8 bytes of every TensorFlow checkpoint index (a LevelDB-style table), little-endian.
+_TABLE_MAGIC = (0xDB4775248B80FB57).to_bytes(8, "little")
+_INDEX = re.compile(r"^ckpt-(\d+)\.index$")
+
+_held = {}  # real path -> open lock file, for the locks this process holds
+
+
+def is_chief():
+    """Whether this process writes logs and checkpoints (worker 0 of a multi-worker cluster)."""
+    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    task = config.get("task", {})
+    return task.get("type", "chief") == "chief" or (
+        task.get("type") == "worker" and task.get("index", 0) == 0
+        and "chief" not in config.get("cluster", {})
+    )
+
+
+def lock(run_dir, command=""):
+    """Hold ``run_dir`` for this process until it ends (or :func:`release`); idempotent.
+
+    Raises ConfigError naming the holder when another process holds it.
+    """
+    path = os.path.realpath(run_dir)
+    if path in _held or fcntl is None:
+        return
+    os.makedirs(path, exist_ok=True)
+    handle = open(os.path.join(path, LOCK_FILE), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process that did not say who it is"
+        handle.close()
+        raise ConfigError(
+            f"{run_dir} is in use by another run: {holder}. Two runs in one directory would write "
+            "over each other's checkpoints and results. Wait for that run to end (resume it "
+            "afterwards with resume=<its directory> if it was stopped), or leave hydra.run.dir "
+            "unset so that this run gets a directory of its own."
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"ga-train, pid {os.getpid()} on {socket.gethostname()}, started "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n")
+    handle.flush()
+    _held[path] = handle
+
+
+def release(run_dir):
+    handle = _held.pop(os.path.realpath(run_dir), None)
+    if handle is not None:
+        handle.close()  # closing the file drops the lock
+
+
+def check_usable(run_dir, resume):
+    """ConfigError when ``run_dir`` holds a finished run, or an unfinished one and no ``resume``."""
+    if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
+        raise ConfigError(
+            f"{run_dir} holds a finished run, which is never written to again"
+            + ("; there is nothing to resume. " if resume else ". ")
+            + "Leave hydra.run.dir unset (each run gets a new directory) or pick a new one."
+        )
+    if not resume and checkpoint_numbers(run_dir):
+        raise ConfigError(
+            f"{run_dir} holds an unfinished run; continue it with resume={run_dir} (or the same "
+            "command with resume=true), or leave hydra.run.dir unset to start a new run."
+        )
+
+
+def check_writable(directory, what):
+    """ConfigError, before any training, when files cannot be created in ``directory``.
+
+    Creates the directory; tries a real file (``os.access`` says yes to root on a read-only mount).
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".gacli-write-test-"):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"{what} {directory} cannot be written ({error.strerror or error}); run from a "
+            "directory you can write to, or point hydra.run.dir= at one."
+        ) from None
+
+
+def nearest_existing(path):
+    """``path`` or the closest of its parents that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def checkpoint_numbers(run_dir):
+    """Numbers N of the ``ckpt-N`` index files in the run's checkpoint folder, newest first."""
+    folder = os.path.join(run_dir, CHECKPOINT_DIR)
+    if not os.path.isdir(folder):
+        return []
+    found = (_INDEX.match(name) for name in os.listdir(folder))
+    return sorted((int(match.group(1)) for match in found if match), reverse=True)
+
+
+def looks_intact(prefix):
+    """Cheap check of checkpoint ``prefix``: an index that ends with its marker, every data shard
+    present and not empty. A checkpoint that fails it cannot be restored; one that passes may
+    still be damaged inside (RunState reads every tensor before restoring)."""
+    try:
+        with open(prefix + ".index", "rb") as index:
+            index.seek(-len(_TABLE_MAGIC), os.SEEK_END)
+            if index.read() != _TABLE_MAGIC:
+                return False
+    except OSError:
+        return False
+    shards = glob.glob(glob.escape(prefix) + ".data-*-of-*")
+    if not shards:
+        return False
+    total = int(shards[0].rsplit("-of-", 1)[1])
+    return len(shards) == total and all(os.path.getsize(shard) > 0 for shard in shards)
+
+
+def has_restorable_checkpoint(run_dir):
+    folder = os.path.join(run_dir, CHECKPOINT_DIR)
+    return any(looks_intact(os.path.join(folder, f"ckpt-{n}")) for n in checkpoint_numbers(run_dir))
+
+
+def strict_json(value):
+    """``value`` with every non-finite float as None: JSON has no NaN or Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
+def write_json(path, value):
+    """Write ``value`` as strict JSON, atomically: readers see the old file or the whole new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".writing-", suffix=".json",
+                                     delete=False) as handle:
+        json.dump(strict_json(value), handle, indent=2, allow_nan=False)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(handle.name, path)
+
+
+def record_failure(run_dir, exit_code, message):
+    """Mark a run that failed while training (its checkpoints stay; it can be resumed)."""
+    if os.path.isdir(run_dir) and not os.path.exists(os.path.join(run_dir, RESULT_FILE)):
+        write_json(os.path.join(run_dir, FAILURE_FILE),
+                   {"exit_code": exit_code, "error": message,
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def discard_unstarted(run_dir):
+    """Remove the directory of a new run that stopped on its input before training: it holds
+    nothing worth keeping (Hydra's record of the job, an empty log), and left behind it would
+    look like an unfinished run. Call it only for a directory this run created."""
+    if os.path.isdir(run_dir) and not checkpoint_numbers(run_dir):
+        release(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""Checks of what a user typed, before Hydra composes it: the user's own YAML file and the
+command line's keys.
+
+Hydra would report most of these too, but late and in its own terms: a YAML syntax error as a long
+traceback, a file without gacli's defaults as "Could not override 'config'", and a key added with
+``+`` that no field reads not at all (it is accepted and ignored). Here each gets one paragraph that
+names the file, line or key and says what to type. No TensorFlow import.
+"""
+
+import dataclasses
+import difflib
+import typing
+
+import yaml
+
+from gacli.config import TrainConfig
+from gacli.errors import ConfigError
+
+GROUPS = ("model", "dataset", "optimizer", "precision", "strategy")
+_DEFAULTS_LINES = "defaults:\n  - /train\n  - _self_"
+
+
+def _fields(schema, prefix=""):
+    """{dotted key: is an open dict} for every field of a config dataclass, nested ones too."""
+    keys = {}
+    for field in dataclasses.fields(schema):
+        key = prefix + field.name
+        if dataclasses.is_dataclass(field.default_factory if field.default_factory
+                                    is not dataclasses.MISSING else None):
+            keys[key] = False
+            keys.update(_fields(field.default_factory, key + "."))
+        else:
+            keys[key] = typing.get_origin(field.type) in (dict, typing.Dict) or field.type is dict
+    return keys
+
+
+SCHEMA_KEYS = _fields(TrainConfig)
+
+
+def unknown_key(key):
+    """None when ``key`` (dotted) is read by the config, else a ConfigError's message."""
+    if key in SCHEMA_KEYS or key.split(".", 1)[0] == "hydra":
+        return None
+    parts = key.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:end])
+        if parent in SCHEMA_KEYS:
+            if SCHEMA_KEYS[parent]:  # model.kwargs.*, dataset.features.*: free-form by design
+                return None
+            break
+    close = difflib.get_close_matches(key, SCHEMA_KEYS, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return (f"{key} is not a key ga-train reads, so setting it would change nothing; {hint}"
+            "ga-train --cfg job lists every key with its value, and the README's config "
+            "reference says what each does.")
+
+
+def check_overrides(assignments):
+    """ConfigError for a ``key=value`` (``+key=``, ``++key=``, ``~key``) that no field reads."""
+    for assignment in assignments:
+        key = assignment.split("=", 1)[0].lstrip("+~")
+        if key in GROUPS or key == "config":
+            continue  # a group choice (model=unet): Hydra lists the valid names if it is wrong
+        problem = unknown_key(key)
+        if problem:
+            raise ConfigError(f"{assignment}: {problem}")
+
+
+def _walk(mapping, prefix=""):
+    for key, value in mapping.items():
+        dotted = f"{prefix}{key}"
+        yield dotted
+        if isinstance(value, dict) and SCHEMA_KEYS.get(dotted) is False:
+            yield from _walk(value, dotted + ".")
+
+
+def check_user_yaml(path, shown, group_options):
+    """ConfigError, naming ``shown`` (the path as given) and the line, for a user's YAML that is
+    not valid YAML, is empty, does not start from gacli's defaults, or sets keys nothing reads.
+
+    ``group_options``: {group: names of its shipped files}, e.g. {"dataset": ["digits", ...]}.
+    """
+    try:
+        with open(path) as handle:
+            content = yaml.safe_load(handle)
+    except yaml.YAMLError as error:
+        # The context mark is where the unfinished construct began (an unclosed [ on line 2);
+        # the problem mark, where the parser gave up (often the end of the file).
+        mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
+        where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark else shown
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        context = getattr(error, "context", None)
+        raise ConfigError(
+            f"{where}: not valid YAML ({context + ': ' if context else ''}{problem}). Fix that "
+            "line: a common cause is an unclosed [ or {, a tab used for indenting, or a "
+            "missing space after a colon."
+        ) from None
+    except OSError as error:
+        raise ConfigError(f"config={shown} cannot be read: {error.strerror or error}.") from None
+    if not isinstance(content, dict):
+        raise ConfigError(
+            f"config={shown} is {'empty' if content is None else 'not a mapping of keys'}; a "
+            f"ga-train config starts from gacli's defaults with these lines:\n{_DEFAULTS_LINES}\n"
+            "followed by the keys to change, e.g. accum_steps: 8."
+        )
+    defaults = content.get("defaults")
+    if not isinstance(defaults, list) or not any(entry in ("/train", "train")
+                                                 for entry in defaults):
+        raise ConfigError(
+            f"config={shown} does not start from gacli's defaults: its defaults list must name "
+            f"/train (and _self_, so that the file's own values win). Put these lines at its "
+            f"top:\n{_DEFAULTS_LINES}"
+        )
+    overridden = {key.split("/")[-1] for entry in defaults if isinstance(entry, dict)
+                  for key in entry}
+    for group in GROUPS:
+        chosen = content.get(group)
+        name = chosen.get("name") if isinstance(chosen, dict) else None
+        if name in group_options.get(group, ()) and group not in overridden:
+            # model.name / dataset.name pick the builder, but the settings come from the group's
+            # file: {name: image_folder} under dataset: keeps the default dataset's settings.
+            raise ConfigError(
+                f"config={shown} sets {group}: {{name: {name}}}, which picks the {name} code but "
+                f"keeps the default {group}'s settings. To choose {name} with its own settings, "
+                f"add '- override /{group}: {name}' to the defaults list (before _self_) and drop "
+                f"the name: line; then set its keys under {group}:."
+            )
+    for key in _walk({k: v for k, v in content.items() if k not in ("defaults", "hydra")}):
+        problem = unknown_key(key)
+        if problem:
+            raise ConfigError(f"config={shown}: {problem}")

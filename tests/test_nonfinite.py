@@ -1,0 +1,106 @@
+"""Non-finite values never pass silently: nonfinite='stop' halts at the first bad micro-batch
+with the weights of the last good update, ga-train names where and which samples, and result.json
+stays strict JSON."""
+
+import glob
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import FEATURES, big_batch_reference, make_data, max_weight_difference, mlp_layers
+from test_cli import ga_train, run_dir_of
+
+import gacli
+from gacli.runstate import micro_batch_stream, pass_order
+
+
+def test_stop_halts_at_the_first_bad_micro_batch_with_the_last_good_weights():
+    x, y = make_data(64)
+    x[40, 1] = np.nan  # micro-batch 6 of 8 (micro-batches of 8): the third window's second
+    inputs, outputs = mlp_layers()
+    model = gacli.GradientAccumulateModel(accum_steps=2, inputs=inputs, outputs=outputs,
+                                          nonfinite="stop")
+    # Four micro-batches a compiled call: the call that meets the bad one runs on past it, and
+    # neither it nor micro-batches 7 and 8 may reach the weights.
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse",
+                  steps_per_execution=4)
+    with pytest.raises(gacli.NonFiniteError) as stopped:
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert stopped.value.micro_step == 6
+    assert "micro-batch 6" in str(stopped.value)
+    reference = big_batch_reference(lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+                                    [np.arange(0, 16), np.arange(16, 32)], x, y)
+    assert model.optimizer_step.numpy() == 2
+    assert max_weight_difference(model, reference) <= 1e-6
+    assert all(np.isfinite(weight).all() for weight in model.get_weights())
+
+
+def test_stop_in_a_custom_loop_leaves_every_later_micro_batch_out():
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+    optimizer = gacli.GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2,
+                                                  nonfinite="stop")
+    variables = model.trainable_variables
+    finite = [tf.ones_like(v) for v in variables]
+    optimizer.apply(finite, variables, sample_count=4)
+    optimizer.apply(finite, variables, sample_count=4)  # update 1
+    before = [v.numpy().copy() for v in variables]
+    optimizer.apply([g * np.inf for g in finite], variables, sample_count=4)  # micro-step 3
+    optimizer.apply(finite, variables, sample_count=4)
+    optimizer.apply(finite, variables, sample_count=4)
+    optimizer.flush()
+    assert optimizer.halted_micro_step() == 3
+    assert int(optimizer.optimizer_step.numpy()) == 1
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, variables))
+
+
+def test_pass_order_names_the_samples_the_stream_reads():
+    # The message of a halted run names samples through pass_order: it must follow the stream.
+    data = tf.data.Dataset.range(50)
+    stream = micro_batch_stream(data, 8, 7, start=0, count=14, shuffle_seed=3, buffer_size=50)
+    read = np.concatenate([batch.numpy() for batch in stream])
+    expected = np.concatenate([pass_order(50, index, shuffle_seed=3, buffer_size=50)
+                               for index in (0, 1)])
+    assert np.array_equal(read, expected)
+
+
+def strict(text):
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.slow
+def test_ga_train_stops_on_a_diverging_run_and_names_the_micro_batch(tmp_path):
+    # A learning rate of 1e30 sends the weights to ~1e30 in one update: the next forward pass
+    # overflows.
+    code, output = ga_train("optimizer.learning_rate=1e30", "epochs=2", "progress=plain",
+                            "checkpoint_every_updates=1", cwd=tmp_path)
+    assert code == 1, output
+    assert "Traceback" not in output, output
+    assert "ga-train: training stopped at epoch 1, micro-batch 5 of 45: its loss or gradient was "
+    "not finite (inf or nan). It held the samples at positions 128-159 of pass 1 over the "
+    "training data (scikit-learn's digits: row " in output, output
+    (run_dir,) = glob.glob(str(tmp_path / "outputs" / "default" / "*"))
+    assert not os.path.exists(os.path.join(run_dir, "result.json"))
+    assert not os.path.exists(os.path.join(run_dir, "model.keras"))
+    failure = strict(open(os.path.join(run_dir, "failure.json")).read())
+    assert failure["exit_code"] == 1 and "micro-batch 5 of 45" in failure["error"]
+    # The checkpoint of update 1 is the last one: nothing after the bad micro-batch was saved.
+    assert f"The last checkpoint, {run_dir}/checkpoints/ckpt-1, is from before it" in output
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == [
+        "checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index"]
+
+
+@pytest.mark.slow
+def test_skip_policies_stay_opt_in_and_result_json_is_strict(tmp_path):
+    code, output = ga_train("optimizer.learning_rate=1e30", "epochs=1", "steps_per_epoch=4",
+                            "precision.nonfinite=skip_micro_batch", cwd=tmp_path)
+    assert code == 0, output
+    result = strict(open(os.path.join(run_dir_of(output), "result.json")).read())
+    assert result["loss"] is None  # nan in the metrics: null, never NaN
+    # Every micro-batch after the first update is non-finite and skipped: so are their windows.
+    assert (result["optimizer_step"], result["micro_step"]) == (1, 16)

@@ -3,46 +3,25 @@
 Tags: ``batch/{effective_size,micro_size,accum_steps,replicas}``, ``train/<metric>``,
 ``val/<metric>``, ``optimizer/{lr,step,micro_step}``, ``throughput/samples_per_sec``,
 ``memory/{device_current_bytes,device_peak_bytes}`` (where TensorFlow tracks device memory: GPUs;
-the CPU allocator reports nothing), ``memory/{host_rss_bytes,host_peak_rss_bytes}``, plus
+the CPU allocator reports nothing), ``memory/{host_rss_bytes,host_peak_rss_bytes}``
+(:mod:`gacli.memory_stats`), plus
 ``precision/loss_scale`` and ``precision/skipped_*`` when loss scaling is on, and the run's
 hyper-parameters for TensorBoard's HParams tab.
 """
 
 import os
-import resource
 import time
 
 import keras
-import tensorflow as tf
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from gacli.console import micro_batches_done
+from gacli.memory_stats import device_memory_bytes, host_memory_bytes
 
 _SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description=None)
-
-
-def host_memory_bytes():
-    """(current RSS, peak RSS) of this process in bytes."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    try:
-        with open("/proc/self/statm") as statm:
-            current = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        current = peak
-    return current, peak
-
-
-def device_memory_bytes():
-    """(current, peak) bytes of the first accelerator, or None where TF does not track it."""
-    for kind in ("GPU", "TPU"):
-        devices = tf.config.list_logical_devices(kind)
-        if devices:
-            info = tf.config.experimental.get_memory_info(devices[0].name.split("device:")[-1])
-            return info["current"], info["peak"]
-    return None
 
 
 def _scalar_value(tag, value):
@@ -155,8 +134,9 @@ class TensorBoardLogger(keras.callbacks.Callback):
             values += [_scalar_value("memory/device_current_bytes", device[0]),
                        _scalar_value("memory/device_peak_bytes", device[1])]
         current, peak = host_memory_bytes()
-        values += [_scalar_value("memory/host_rss_bytes", current),
-                   _scalar_value("memory/host_peak_rss_bytes", peak)]
+        if current is not None:
+            values.append(_scalar_value("memory/host_rss_bytes", current))
+        values.append(_scalar_value("memory/host_peak_rss_bytes", peak))
         self._write(step, values)
         self._last_step, self._last_time = step, now
         self._samples_since = self._micro_batches_since = 0

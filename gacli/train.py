@@ -27,6 +27,7 @@ from gacli.data import load_dataset
 from gacli.host_memory import HostMemoryCallback
 from gacli.models import build_model
 from gacli.optimizers import build_optimizer
+from gacli.memory_stats import reset_memory_peaks
 from gacli.run_logging import TensorBoardLogger, host_memory_bytes
 from gacli.runstate import (CHECKPOINT_DIR, RunCheckpoint, RunState, StopSignals,
                             micro_batch_stream, scratch_or)
@@ -166,6 +167,7 @@ def train(cfg, run_dir, given=(), parallel_jobs=False):
     console.print(f"run directory: {run_dir}", soft_wrap=True)
     _guard_run_dir(cfg, run_dir)
     os.makedirs(run_dir, exist_ok=True)
+    reset_memory_peaks()  # a multirun's jobs share a process: each reports its own peaks
     strategy = make_strategy(cfg.strategy)
     plan = resolve_batch(cfg.micro_batch_size, cfg.accum_steps, cfg.effective_batch_size,
                          strategy.num_replicas_in_sync, given)

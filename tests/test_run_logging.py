@@ -1,0 +1,73 @@
+"""What the TensorBoard figures mean: memory peaks.
+
+Tiny in-process runs (``train(cfg)``) on npz data whose sizes make short windows and ragged
+micro-batches; the event files are read back with TensorBoard's EventAccumulator.
+"""
+
+import io
+import json
+import os
+import threading
+
+import numpy as np
+from rich.console import Console
+from test_cli import event_tags, scalars
+from test_training import compose_config
+
+import gacli.train
+from gacli.run_logging import host_memory_bytes
+from gacli.train import train
+
+def npz_run(tmp_path, monkeypatch, samples, *overrides, validation_split=0.0):
+    """train() on ``samples`` rows of 3-class data; returns (run directory, console output)."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "data.npz"
+    np.savez(path, x=rng.normal(size=(samples, 6)), y=rng.integers(0, 3, samples))
+    run_dir = str(tmp_path / "run")
+    buffer = io.StringIO()
+    monkeypatch.setattr(gacli.train, "make_console",
+                        lambda: Console(file=buffer, force_terminal=False, width=200))
+    train(compose_config("dataset=npz", f"dataset.path={path}",
+                         f"dataset.validation_split={validation_split}", *overrides),
+          run_dir=run_dir)
+    return run_dir, buffer.getvalue()
+
+
+def test_peak_rss_is_never_below_current_while_another_thread_allocates():
+    stop = threading.Event()
+
+    def allocate():
+        held = []
+        while not stop.is_set() and len(held) < 300:
+            held.append(b"x" * 2**20)  # written, so resident: RSS climbs to new highs
+
+    worker = threading.Thread(target=allocate)
+    worker.start()
+    readings = []
+    try:
+        while worker.is_alive():
+            readings.append(host_memory_bytes())
+    finally:
+        stop.set()
+        worker.join()
+    assert len(readings) > 10
+    assert [r for r in readings if r[1] < r[0]] == []
+    peaks = [peak for _, peak in readings]
+    assert peaks == sorted(peaks)
+
+
+def test_a_job_reports_its_own_peak_not_the_process_s(tmp_path, monkeypatch):
+    """A multirun's jobs run in one process: what an earlier job held must not be this job's
+    peak. 400 MiB held and freed before train() stands in for the earlier job."""
+    blob = np.ones(400 * 2**20, dtype=np.uint8)
+    del blob
+    process_peak = host_memory_bytes()[1]
+    run_dir, _ = npz_run(tmp_path, monkeypatch, 36, "micro_batch_size=8", "accum_steps=2", "epochs=1")
+    result = json.load(open(os.path.join(run_dir, "result.json")))
+    assert result["host_peak_rss_bytes"] < process_peak - 200 * 2**20
+    _, events = event_tags(run_dir)
+    peaks = scalars(events, "memory/host_peak_rss_bytes")
+    currents = scalars(events, "memory/host_rss_bytes")
+    assert max(peaks) < process_peak - 200 * 2**20
+    assert all(peak >= current for peak, current in zip(peaks, currents))
+    assert peaks == sorted(peaks)

@@ -1,10 +1,11 @@
 """TensorBoard logging of a run, stepped by optimizer update.
 
 Tags: ``batch/{effective_size,micro_size,accum_steps,replicas}``, ``train/<metric>``,
-``val/<metric>``, ``optimizer/{lr,step,micro_step}``, ``throughput/samples_per_sec``,
-``memory/{device_current_bytes,device_peak_bytes}`` (where TensorFlow tracks device memory: GPUs;
-the CPU allocator reports nothing), ``memory/{host_rss_bytes,host_peak_rss_bytes}``
-(:mod:`gacli.memory_stats`), plus
+``val/<metric>``, ``optimizer/{lr,step,micro_step}``,
+``throughput/{samples_per_sec,mean_samples_per_sec}`` and ``time/first_call_seconds``
+(:mod:`gacli.throughput`), ``memory/{device_current_bytes,device_peak_bytes}`` (where TensorFlow
+tracks device memory: GPUs; the CPU allocator reports nothing),
+``memory/{host_rss_bytes,host_peak_rss_bytes}`` (:mod:`gacli.memory_stats`), plus
 ``precision/loss_scale`` and ``precision/skipped_*`` when loss scaling is on, and the run's
 hyper-parameters for TensorBoard's HParams tab.
 """
@@ -20,6 +21,7 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from gacli.console import micro_batches_done
 from gacli.memory_stats import device_memory_bytes, host_memory_bytes
+from gacli.throughput import samples_per_second
 
 _SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description=None)
 
@@ -58,18 +60,22 @@ class TensorBoardLogger(keras.callbacks.Callback):
         plan: the run's :class:`~gacli.config.BatchPlan`.
         accumulator: the run's GradientAccumulateOptimizer (counters, learning rate).
         hparams: dict of hyper-parameters for the HParams tab.
+        clock: the run's :class:`~gacli.throughput.TrainingClock`, placed before this callback
+            (samples per micro-batch, training time); the progress display reads the same one.
     """
 
-    def __init__(self, log_dir, plan, accumulator, hparams):
+    def __init__(self, log_dir, plan, accumulator, hparams, clock):
         super().__init__()
         os.makedirs(log_dir, exist_ok=True)
         self.writer = EventFileWriter(log_dir)
         self.plan = plan
         self.accumulator = accumulator
         self.hparams = hparams
+        self.clock = clock
+        self._started = False
         self._last_step = 0
-        self._last_time = None
-        self._samples_since = 0
+        self._last_reading = (0, 0.0)
+        self._first_call_logged = False
         self._micro_batches_since = 0
         self._epoch_done = 0
 
@@ -80,12 +86,12 @@ class TensorBoardLogger(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         # Called once per fit(); a resumed run's first epoch is a fit() of its own.
-        if self._last_time is None:
+        if not self._started:
+            self._started = True
             self.writer.add_event(event_pb2.Event(
                 wall_time=time.time(), summary=hparams_summary.hparams_pb(self.hparams)
             ))
         self._last_step = int(self.accumulator.optimizer_step.numpy())
-        self._last_time = time.perf_counter()
         # A run resumed in the middle of a window has that window's micro-batches behind it.
         # (A plain model's fit() builds the optimizer in its first step: no window yet.)
         if self.accumulator.built:
@@ -95,11 +101,9 @@ class TensorBoardLogger(keras.callbacks.Callback):
         self._epoch_done = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        # (The epoch's last micro-batch may be short, which a per-update average absorbs.)
         done = micro_batches_done(batch, self.params)
-        ran, self._epoch_done = done - self._epoch_done, done
-        self._samples_since += self.plan.global_micro_batch_size * ran
-        self._micro_batches_since += ran
+        self._micro_batches_since += done - self._epoch_done
+        self._epoch_done = done
         if self._micro_batches_since < self.plan.accum_steps:
             return  # no window can have closed since the last update
         step = int(self.accumulator.optimizer_step.numpy())
@@ -107,8 +111,7 @@ class TensorBoardLogger(keras.callbacks.Callback):
             self._write_train(step, logs or {})
 
     def _write_train(self, step, logs):
-        now = time.perf_counter()
-        elapsed = max(now - self._last_time, 1e-9)
+        micro_step = int(self.accumulator.micro_step.numpy())
         values = [
             _scalar_value("batch/effective_size", self.plan.effective_batch_size),
             _scalar_value("batch/micro_size", self.plan.micro_batch_size),
@@ -126,9 +129,16 @@ class TensorBoardLogger(keras.callbacks.Callback):
         values += [
             _scalar_value("optimizer/lr", _number(self.accumulator.learning_rate)),
             _scalar_value("optimizer/step", step),
-            _scalar_value("optimizer/micro_step", self.accumulator.micro_step.numpy()),
-            _scalar_value("throughput/samples_per_sec", self._samples_since / elapsed),
+            _scalar_value("optimizer/micro_step", micro_step),
         ]
+        reading = self.clock.reading(micro_step)
+        rates = {"throughput/samples_per_sec": samples_per_second(reading, self._last_reading),
+                 "throughput/mean_samples_per_sec": samples_per_second(reading)}
+        # None until there is training time after the first call.
+        values += [_scalar_value(tag, rate) for tag, rate in rates.items() if rate is not None]
+        if self.clock.first_call_seconds is not None and not self._first_call_logged:
+            self._first_call_logged = True
+            values.append(_scalar_value("time/first_call_seconds", self.clock.first_call_seconds))
         device = device_memory_bytes()
         if device is not None:
             values += [_scalar_value("memory/device_current_bytes", device[0]),
@@ -138,8 +148,8 @@ class TensorBoardLogger(keras.callbacks.Callback):
             values.append(_scalar_value("memory/host_rss_bytes", current))
         values.append(_scalar_value("memory/host_peak_rss_bytes", peak))
         self._write(step, values)
-        self._last_step, self._last_time = step, now
-        self._samples_since = self._micro_batches_since = 0
+        self._last_step, self._last_reading = step, reading
+        self._micro_batches_since = 0
 
     def on_epoch_end(self, epoch, logs=None):
         step = int(self.accumulator.optimizer_step.numpy())

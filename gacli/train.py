@@ -32,6 +32,7 @@ from gacli.run_logging import TensorBoardLogger, host_memory_bytes
 from gacli.runstate import (CHECKPOINT_DIR, RunCheckpoint, RunState, StopSignals,
                             micro_batch_stream, scratch_or)
 from gacli.strategy import is_chief, is_multi_worker, make_strategy
+from gacli.throughput import TrainingClock
 
 _KERAS_POLICY = {
     Policy.fp32: "float32",
@@ -256,8 +257,10 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         }
         OmegaConf.save(OmegaConf.create(resolved), os.path.join(run_dir, "resolved.yaml"))
 
-    callbacks = [ProgressCallback(console, cfg.progress, plan, accumulator,
-                                  math.ceil(total_updates / cfg.epochs), cfg.epochs, parallel_jobs)]
+    clock = TrainingClock(accumulator, data.train_size, plan.global_micro_batch_size)
+    callbacks = [clock, ProgressCallback(console, cfg.progress, plan, accumulator,
+                                         math.ceil(total_updates / cfg.epochs), cfg.epochs,
+                                         parallel_jobs, clock=clock)]
     if wrapper == "optimizer":
         # A plain model's fit() does not close windows at epoch ends; this callback does.
         callbacks.insert(0, WindowCallback(accumulator))
@@ -272,7 +275,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
             "lr": float(optimizer_cfg.learning_rate), "optimizer": optimizer_cfg.name.value,
         }
         callbacks.append(TensorBoardLogger(os.path.join(run_dir, "tensorboard"), plan,
-                                           accumulator, hparams))
+                                           accumulator, hparams, clock))
     state = RunState(model, run_dir, chief)
     position = (0, 0)
     if cfg.resume:

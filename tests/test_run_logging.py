@@ -1,4 +1,4 @@
-"""What the TensorBoard figures mean: memory peaks.
+"""What the TensorBoard figures mean: training throughput, memory peaks.
 
 Tiny in-process runs (``train(cfg)``) on npz data whose sizes make short windows and ragged
 micro-batches; the event files are read back with TensorBoard's EventAccumulator.
@@ -7,9 +7,13 @@ micro-batches; the event files are read back with TensorBoard's EventAccumulator
 import io
 import json
 import os
+import re
 import threading
+import time
 
+import keras
 import numpy as np
+import pytest
 from rich.console import Console
 from test_cli import event_tags, scalars
 from test_training import compose_config
@@ -31,6 +35,48 @@ def npz_run(tmp_path, monkeypatch, samples, *overrides, validation_split=0.0):
                          f"dataset.validation_split={validation_split}", *overrides),
           run_dir=run_dir)
     return run_dir, buffer.getvalue()
+
+
+def test_throughput_counts_training_calls_only_and_the_console_shows_the_same(
+        tmp_path, monkeypatch):
+    """Validation made 3 s slower and the first call's compile must not reach the throughput;
+    the console's samples/s is the event file's mean."""
+    pause = 3.0
+    evaluate = keras.Model.evaluate
+
+    def slow_evaluate(self, *args, **kwargs):
+        time.sleep(pause)
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(keras.Model, "evaluate", slow_evaluate)
+    # 48 samples, 12 of them for validation: micro-batches of 8, 8, 8, 8, 4, windows of 2.
+    run_dir, output = npz_run(tmp_path, monkeypatch, 48, "micro_batch_size=8", "accum_steps=2", "epochs=2",
+                              "progress=plain", validation_split=0.25)
+    tags, events = event_tags(run_dir)
+    assert {"val/loss", "time/first_call_seconds"} <= tags
+    assert len(scalars(events, "time/first_call_seconds")) == 1
+    sizes = [8, 8, 8, 8, 4]
+    micro_steps = [int(value) for value in scalars(events, "optimizer/micro_step")]
+    assert micro_steps == [2, 4, 5, 7, 9, 10]
+
+    def samples(end):
+        return sum(sizes[index % len(sizes)] for index in range(end))
+
+    # The first point's interval is the first call alone: no throughput there.
+    rates = {event.step: value for event, value in zip(
+        events.Tensors("throughput/samples_per_sec"),
+        scalars(events, "throughput/samples_per_sec"))}
+    assert sorted(rates) == [2, 3, 4, 5, 6]
+    seconds = {step: (samples(micro_steps[step - 1]) - samples(micro_steps[step - 2])) / rate
+               for step, rate in rates.items()}
+    # Each interval is one compiled call of a tiny model; with validation in it, one would take
+    # the pause and more.
+    assert max(seconds.values()) < pause / 3, seconds
+    mean = scalars(events, "throughput/mean_samples_per_sec")
+    trained = samples(micro_steps[-1]) - samples(micro_steps[0])
+    assert mean[-1] == pytest.approx(trained / sum(seconds.values()), rel=1e-4)
+    shown = [float(value) for value in re.findall(r"([\d.]+) samples/s", output)]
+    assert shown and shown[-1] == pytest.approx(mean[-1], abs=0.051), output
 
 
 def test_peak_rss_is_never_below_current_while_another_thread_allocates():

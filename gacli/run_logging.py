@@ -1,6 +1,7 @@
 """TensorBoard logging of a run, stepped by optimizer update.
 
-Tags: ``batch/{effective_size,micro_size,accum_steps,replicas}``, ``train/<metric>``,
+Tags: ``batch/{effective_size,micro_size,accum_steps,replicas}`` (the configuration),
+``batch/update_samples`` (the samples the update was taken over), ``train/<metric>``,
 ``val/<metric>``, ``optimizer/{lr,step,micro_step}``,
 ``throughput/{samples_per_sec,mean_samples_per_sec}`` and ``time/first_call_seconds``
 (:mod:`gacli.throughput`), ``memory/{device_current_bytes,device_peak_bytes}`` (where TensorFlow
@@ -76,6 +77,9 @@ class TensorBoardLogger(keras.callbacks.Callback):
         self._last_step = 0
         self._last_reading = (0, 0.0)
         self._first_call_logged = False
+        # Micro-batches of the run before the open window: where the last window closed (applied,
+        # skipped or dropped).
+        self._window_start = 0
         self._micro_batches_since = 0
         self._epoch_done = 0
 
@@ -83,6 +87,11 @@ class TensorBoardLogger(keras.callbacks.Callback):
         self.writer.add_event(event_pb2.Event(
             step=int(step), wall_time=time.time(), summary=summary_pb2.Summary(value=values)
         ))
+
+    def _open_window(self):
+        """(micro-batches of the run, micro-batches of them in the open window)."""
+        return (int(self.accumulator.micro_step.numpy()),
+                int(self.accumulator.window_micro_steps.numpy()))
 
     def on_train_begin(self, logs=None):
         # Called once per fit(); a resumed run's first epoch is a fit() of its own.
@@ -95,7 +104,9 @@ class TensorBoardLogger(keras.callbacks.Callback):
         # A run resumed in the middle of a window has that window's micro-batches behind it.
         # (A plain model's fit() builds the optimizer in its first step: no window yet.)
         if self.accumulator.built:
-            self._micro_batches_since = int(self.accumulator.window_micro_steps.numpy())
+            micro_step, in_window = self._open_window()
+            self._window_start = micro_step - in_window
+            self._micro_batches_since = in_window
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_done = 0
@@ -110,10 +121,25 @@ class TensorBoardLogger(keras.callbacks.Callback):
         if step != self._last_step:
             self._write_train(step, logs or {})
 
+    def _update_samples(self, window_end):
+        """Samples in the window of the last update, which closed ``window_end`` micro-batches
+        into the run.
+
+        Windows are ``accum_steps`` micro-batches long except an epoch's last one when it is
+        closed early (``partial_window=apply``, or ``carry`` at the end of training). Of the
+        windows closed since ``_window_start`` (applied or skipped), only the last can be short:
+        it holds what is left over. Counting from the data's layout, not from the optimizer's
+        window weight, works for both wrappers: the optimizer wrapper counts calls, not samples.
+        """
+        length = (window_end - self._window_start - 1) % self.plan.accum_steps + 1
+        return self.clock.layout.samples_in(window_end - length, window_end)
+
     def _write_train(self, step, logs):
-        micro_step = int(self.accumulator.micro_step.numpy())
+        micro_step, in_window = self._open_window()
+        window_end = micro_step - in_window
         values = [
             _scalar_value("batch/effective_size", self.plan.effective_batch_size),
+            _scalar_value("batch/update_samples", self._update_samples(window_end)),
             _scalar_value("batch/micro_size", self.plan.micro_batch_size),
             _scalar_value("batch/accum_steps", self.plan.accum_steps),
             _scalar_value("batch/replicas", self.plan.replicas),
@@ -149,7 +175,8 @@ class TensorBoardLogger(keras.callbacks.Callback):
         values.append(_scalar_value("memory/host_peak_rss_bytes", peak))
         self._write(step, values)
         self._last_step, self._last_reading = step, reading
-        self._micro_batches_since = 0
+        self._window_start = window_end
+        self._micro_batches_since = in_window
 
     def on_epoch_end(self, epoch, logs=None):
         step = int(self.accumulator.optimizer_step.numpy())
@@ -158,7 +185,9 @@ class TensorBoardLogger(keras.callbacks.Callback):
             self._write_train(step, {k: v for k, v in (logs or {}).items()
                                      if not k.startswith("val_")})
         if self.accumulator.epoch_end_action() is not None:
-            self._micro_batches_since = 0  # the next window starts with the next epoch
+            # The window was applied or dropped: the next one starts with the next epoch.
+            self._window_start = int(self.accumulator.micro_step.numpy())
+            self._micro_batches_since = 0
         values = [_scalar_value(f"val/{name[4:]}", number) for name, number in
                   ((name, _number(value)) for name, value in (logs or {}).items())
                   if name.startswith("val_") and number is not None]

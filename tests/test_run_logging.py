@@ -1,4 +1,4 @@
-"""What the TensorBoard figures mean: training throughput, memory peaks.
+"""What the TensorBoard figures mean: samples per update, training throughput, memory peaks.
 
 Tiny in-process runs (``train(cfg)``) on npz data whose sizes make short windows and ragged
 micro-batches; the event files are read back with TensorBoard's EventAccumulator.
@@ -22,6 +22,10 @@ import gacli.train
 from gacli.run_logging import host_memory_bytes
 from gacli.train import train
 
+BATCH_TAGS = ("batch/effective_size", "batch/micro_size", "batch/accum_steps", "batch/replicas",
+              "batch/update_samples")
+
+
 def npz_run(tmp_path, monkeypatch, samples, *overrides, validation_split=0.0):
     """train() on ``samples`` rows of 3-class data; returns (run directory, console output)."""
     rng = np.random.default_rng(0)
@@ -35,6 +39,35 @@ def npz_run(tmp_path, monkeypatch, samples, *overrides, validation_split=0.0):
                          f"dataset.validation_split={validation_split}", *overrides),
           run_dir=run_dir)
     return run_dir, buffer.getvalue()
+
+
+UPDATE_SAMPLES = [
+    # 36 samples in micro-batches of 8: 8, 8, 8, 8, 4 an epoch; windows of 2 micro-batches.
+    (("micro_batch_size=8", "accum_steps=2"), [16, 16, 4] * 2),
+    (("micro_batch_size=8", "accum_steps=2", "wrapper=optimizer", "partial_window=drop"),
+     [16, 16] * 2),
+    # Windows run across the epoch end; the carried one is applied at the end of training.
+    (("micro_batch_size=8", "accum_steps=2", "wrapper=optimizer", "partial_window=carry"),
+     [16, 16, 4 + 8, 16, 8 + 4]),
+    # 10, 10, 10, 6: the second window is full length but holds a short micro-batch.
+    (("micro_batch_size=10", "accum_steps=2"), [20, 16] * 2),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", UPDATE_SAMPLES,
+                         ids=["apply", "drop", "carry", "ragged"])
+def test_update_samples_are_the_samples_each_update_took(tmp_path, monkeypatch, overrides,
+                                                         expected):
+    run_dir, _ = npz_run(tmp_path, monkeypatch, 36, "epochs=2", *overrides)
+    tags, events = event_tags(run_dir)
+    assert scalars(events, "batch/update_samples") == expected
+    micro, accum = (int(o.split("=")[1]) for o in overrides[:2])
+    assert scalars(events, "batch/effective_size") == [micro * accum] * len(expected)
+    # Every batch tag has a point at every update, so each draws a line in TensorBoard.
+    steps = [event.step for event in events.Tensors("optimizer/step")]
+    assert steps == list(range(1, len(expected) + 1))
+    for tag in BATCH_TAGS:
+        assert [event.step for event in events.Tensors(tag)] == steps, tag
 
 
 def test_throughput_counts_training_calls_only_and_the_console_shows_the_same(

@@ -168,8 +168,10 @@ def train(cfg, run_dir, given=(), parallel_jobs=False):
     console.print(f"run directory: {run_dir}", soft_wrap=True)
     _guard_run_dir(cfg, run_dir)
     os.makedirs(run_dir, exist_ok=True)
-    reset_memory_peaks()  # a multirun's jobs share a process: each reports its own peaks
     strategy = make_strategy(cfg.strategy)
+    # A multirun's jobs share a process: each reports its own memory peaks. (After the strategy,
+    # which may split devices: listing them, as the reset does, fixes TensorFlow's device setup.)
+    reset_memory_peaks()
     plan = resolve_batch(cfg.micro_batch_size, cfg.accum_steps, cfg.effective_batch_size,
                          strategy.num_replicas_in_sync, given)
     keras.utils.set_random_seed(cfg.seed)

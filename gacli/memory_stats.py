@@ -31,6 +31,7 @@ def host_memory_bytes():
 
     Where there is no ``/proc`` the current value is None and the peak is the process's.
     """
+    global _largest_read
     fields = {}
     try:
         with open(_STATUS) as status:
@@ -39,9 +40,8 @@ def host_memory_bytes():
                     name, kib = line.split()[:2]
                     fields[name] = int(kib) * 1024  # /proc gives kB (KiB)
     except OSError:
-        pass
+        pass  # no /proc: getrusage below
     if len(fields) == 2:
-        global _largest_read
         _largest_read = max(_largest_read, fields["VmHWM:"], fields["VmRSS:"])
         return fields["VmRSS:"], _largest_read
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

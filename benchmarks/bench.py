@@ -317,9 +317,11 @@ def run_worker(spec):
     figures.update(
         samples_per_s=figures["samples"] / figures["wall_s"],
         cpu_ms_per_sample=1000 * figures["cpu_s"] / figures["samples"],
-        # ru_maxrss (KiB on Linux) restarts with the timer's reset: the process's peak is the
-        # largest of the warm-up's, the window's and the rest's.
+        # ru_maxrss (KiB on Linux) restarts with the timer's reset, and with train()'s at a job's
+        # start: the process's peak is the largest of the peaks before fit, the warm-up's, the
+        # window's and the rest's.
         peak_rss_bytes=max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                           figures["rss_before_fit_bytes"],
                            figures["warmup_peak_rss_bytes"] or 0,
                            figures["window_peak_rss_bytes"] or 0),
         device_peak_bytes=device_peak,

@@ -2,6 +2,8 @@
 
 On a terminal a rich progress bar shows updates and micro-batches, loss, samples/s and the ETA; when
 output is not a terminal, or jobs of a multirun share it, the same facts come as plain lines.
+Samples/s is the run's mean training throughput so far, as :mod:`gacli.throughput` defines it: the
+number TensorBoard's ``throughput/mean_samples_per_sec`` holds at the same update.
 """
 
 import sys
@@ -21,6 +23,7 @@ from rich.progress import (
 from rich.table import Table
 
 from gacli.config import Progress as ProgressMode
+from gacli.throughput import samples_per_second
 
 
 def make_console():
@@ -61,14 +64,18 @@ def micro_batches_done(batch, params):
 
 
 class ProgressCallback(keras.callbacks.Callback):
-    """Progress by optimizer update and micro-batch, as a rich bar or as plain lines."""
+    """Progress by optimizer update and micro-batch, as a rich bar or as plain lines.
+
+    ``clock``: the run's :class:`~gacli.throughput.TrainingClock`, placed before this callback.
+    """
 
     def __init__(self, console, mode, plan, accumulator, updates_per_epoch, epochs,
-                 parallel_jobs=False):
+                 parallel_jobs=False, *, clock):
         super().__init__()
         self.console = console
         self.plan = plan
         self.accumulator = accumulator
+        self.clock = clock
         self.updates_per_epoch = updates_per_epoch
         self.epochs = epochs
         if mode == ProgressMode.auto:
@@ -78,16 +85,14 @@ class ProgressCallback(keras.callbacks.Callback):
         self.mode = mode
         self._progress = None
         self._task = None
-        self._start = None
-        self._samples = 0
-        self._epoch_done = 0
+        self._started = False
         self._last_line = 0.0
 
     def on_train_begin(self, logs=None):
         # Called once per fit(); a resumed run's first epoch is a fit() of its own.
-        if self._start is not None:
+        if self._started:
             return
-        self._start = time.perf_counter()
+        self._started = True
         if self.mode == ProgressMode.rich:
             self._progress = Progress(
                 TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
@@ -101,17 +106,11 @@ class ProgressCallback(keras.callbacks.Callback):
                 metrics="", speed="",
             )
 
-    def _speed(self):
-        elapsed = max(time.perf_counter() - self._start, 1e-9)
-        return self._samples / elapsed
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch_done = 0
+    def _speed(self, micro_step):
+        rate = samples_per_second(self.clock.reading(micro_step))
+        return "" if rate is None else f"{rate:.1f} samples/s"
 
     def on_train_batch_end(self, batch, logs=None):
-        done = micro_batches_done(batch, self.params)
-        self._samples += self.plan.global_micro_batch_size * (done - self._epoch_done)
-        self._epoch_done = done
         if self.mode == ProgressMode.rich and time.perf_counter() - self._last_line > 0.1:
             # Ten refreshes a second at most: reading the counters costs a fast step's time.
             self._refresh(logs)
@@ -121,18 +120,18 @@ class ProgressCallback(keras.callbacks.Callback):
 
     def _refresh(self, logs):
         self._last_line = time.perf_counter()
+        micro_step = int(self.accumulator.micro_step.numpy())
         self._progress.update(
             self._task, completed=int(self.accumulator.optimizer_step.numpy()),
-            micro=int(self.accumulator.micro_step.numpy()), metrics=_format_logs(logs),
-            speed=f"{self._speed():.0f} samples/s",
+            micro=micro_step, metrics=_format_logs(logs), speed=self._speed(micro_step),
         )
 
     def _line(self, logs, prefix=""):
+        micro_step = int(self.accumulator.micro_step.numpy())
         self.console.print(
             f"{prefix}update {int(self.accumulator.optimizer_step.numpy())}"
-            f"/{self.updates_per_epoch * self.epochs}  micro-batch "
-            f"{int(self.accumulator.micro_step.numpy())}  {_format_logs(logs)}  "
-            f"{self._speed():.0f} samples/s"
+            f"/{self.updates_per_epoch * self.epochs}  micro-batch {micro_step}  "
+            f"{_format_logs(logs)}  {self._speed(micro_step)}"
         )
 
     def on_epoch_end(self, epoch, logs=None):

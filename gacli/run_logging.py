@@ -1,48 +1,30 @@
 """TensorBoard logging of a run, stepped by optimizer update.
 
-Tags: ``batch/{effective_size,micro_size,accum_steps,replicas}``, ``train/<metric>``,
-``val/<metric>``, ``optimizer/{lr,step,micro_step}``, ``throughput/samples_per_sec``,
-``memory/{device_current_bytes,device_peak_bytes}`` (where TensorFlow tracks device memory: GPUs;
-the CPU allocator reports nothing), ``memory/{host_rss_bytes,host_peak_rss_bytes}``, plus
+Tags: ``batch/{effective_size,micro_size,accum_steps,replicas}`` (the configuration),
+``batch/update_samples`` (the samples the update was taken over), ``train/<metric>``,
+``val/<metric>``, ``optimizer/{lr,step,micro_step}``,
+``throughput/{samples_per_sec,mean_samples_per_sec}`` and ``time/first_call_seconds``
+(:mod:`gacli.throughput`), ``memory/{device_current_bytes,device_peak_bytes}`` (where TensorFlow
+tracks device memory: GPUs; the CPU allocator reports nothing),
+``memory/{host_rss_bytes,host_peak_rss_bytes}`` (:mod:`gacli.memory_stats`), plus
 ``precision/loss_scale`` and ``precision/skipped_*`` when loss scaling is on, and the run's
 hyper-parameters for TensorBoard's HParams tab.
 """
 
 import os
-import resource
 import time
 
 import keras
-import tensorflow as tf
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from gacli.console import micro_batches_done
+from gacli.memory_stats import device_memory_bytes, host_memory_bytes
+from gacli.throughput import samples_per_second
 
 _SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description=None)
-
-
-def host_memory_bytes():
-    """(current RSS, peak RSS) of this process in bytes."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    try:
-        with open("/proc/self/statm") as statm:
-            current = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        current = peak
-    return current, peak
-
-
-def device_memory_bytes():
-    """(current, peak) bytes of the first accelerator, or None where TF does not track it."""
-    for kind in ("GPU", "TPU"):
-        devices = tf.config.list_logical_devices(kind)
-        if devices:
-            info = tf.config.experimental.get_memory_info(devices[0].name.split("device:")[-1])
-            return info["current"], info["peak"]
-    return None
 
 
 def _scalar_value(tag, value):
@@ -79,18 +61,25 @@ class TensorBoardLogger(keras.callbacks.Callback):
         plan: the run's :class:`~gacli.config.BatchPlan`.
         accumulator: the run's GradientAccumulateOptimizer (counters, learning rate).
         hparams: dict of hyper-parameters for the HParams tab.
+        clock: the run's :class:`~gacli.throughput.TrainingClock`, placed before this callback
+            (samples per micro-batch, training time); the progress display reads the same one.
     """
 
-    def __init__(self, log_dir, plan, accumulator, hparams):
+    def __init__(self, log_dir, plan, accumulator, hparams, clock):
         super().__init__()
         os.makedirs(log_dir, exist_ok=True)
         self.writer = EventFileWriter(log_dir)
         self.plan = plan
         self.accumulator = accumulator
         self.hparams = hparams
+        self.clock = clock
+        self._started = False
         self._last_step = 0
-        self._last_time = None
-        self._samples_since = 0
+        self._last_reading = (0, 0.0)
+        self._first_call_logged = False
+        # Micro-batches of the run before the open window: where the last window closed (applied,
+        # skipped or dropped).
+        self._window_start = 0
         self._micro_batches_since = 0
         self._epoch_done = 0
 
@@ -99,39 +88,58 @@ class TensorBoardLogger(keras.callbacks.Callback):
             step=int(step), wall_time=time.time(), summary=summary_pb2.Summary(value=values)
         ))
 
+    def _open_window(self):
+        """(micro-batches of the run, micro-batches of them in the open window)."""
+        return (int(self.accumulator.micro_step.numpy()),
+                int(self.accumulator.window_micro_steps.numpy()))
+
     def on_train_begin(self, logs=None):
         # Called once per fit(); a resumed run's first epoch is a fit() of its own.
-        if self._last_time is None:
+        if not self._started:
+            self._started = True
             self.writer.add_event(event_pb2.Event(
                 wall_time=time.time(), summary=hparams_summary.hparams_pb(self.hparams)
             ))
         self._last_step = int(self.accumulator.optimizer_step.numpy())
-        self._last_time = time.perf_counter()
         # A run resumed in the middle of a window has that window's micro-batches behind it.
         # (A plain model's fit() builds the optimizer in its first step: no window yet.)
         if self.accumulator.built:
-            self._micro_batches_since = int(self.accumulator.window_micro_steps.numpy())
+            micro_step, in_window = self._open_window()
+            self._window_start = micro_step - in_window
+            self._micro_batches_since = in_window
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_done = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        # (The epoch's last micro-batch may be short, which a per-update average absorbs.)
         done = micro_batches_done(batch, self.params)
-        ran, self._epoch_done = done - self._epoch_done, done
-        self._samples_since += self.plan.global_micro_batch_size * ran
-        self._micro_batches_since += ran
+        self._micro_batches_since += done - self._epoch_done
+        self._epoch_done = done
         if self._micro_batches_since < self.plan.accum_steps:
             return  # no window can have closed since the last update
         step = int(self.accumulator.optimizer_step.numpy())
         if step != self._last_step:
             self._write_train(step, logs or {})
 
+    def _update_samples(self, window_end):
+        """Samples in the window of the last update, which closed ``window_end`` micro-batches
+        into the run.
+
+        Windows are ``accum_steps`` micro-batches long except an epoch's last one when it is
+        closed early (``partial_window=apply``, or ``carry`` at the end of training). Of the
+        windows closed since ``_window_start`` (applied or skipped), only the last can be short:
+        it holds what is left over. Counting from the data's layout, not from the optimizer's
+        window weight, works for both wrappers: the optimizer wrapper counts calls, not samples.
+        """
+        length = (window_end - self._window_start - 1) % self.plan.accum_steps + 1
+        return self.clock.layout.samples_in(window_end - length, window_end)
+
     def _write_train(self, step, logs):
-        now = time.perf_counter()
-        elapsed = max(now - self._last_time, 1e-9)
+        micro_step, in_window = self._open_window()
+        window_end = micro_step - in_window
         values = [
             _scalar_value("batch/effective_size", self.plan.effective_batch_size),
+            _scalar_value("batch/update_samples", self._update_samples(window_end)),
             _scalar_value("batch/micro_size", self.plan.micro_batch_size),
             _scalar_value("batch/accum_steps", self.plan.accum_steps),
             _scalar_value("batch/replicas", self.plan.replicas),
@@ -147,19 +155,28 @@ class TensorBoardLogger(keras.callbacks.Callback):
         values += [
             _scalar_value("optimizer/lr", _number(self.accumulator.learning_rate)),
             _scalar_value("optimizer/step", step),
-            _scalar_value("optimizer/micro_step", self.accumulator.micro_step.numpy()),
-            _scalar_value("throughput/samples_per_sec", self._samples_since / elapsed),
+            _scalar_value("optimizer/micro_step", micro_step),
         ]
+        reading = self.clock.reading(micro_step)
+        rates = {"throughput/samples_per_sec": samples_per_second(reading, self._last_reading),
+                 "throughput/mean_samples_per_sec": samples_per_second(reading)}
+        # None until there is training time after the first call.
+        values += [_scalar_value(tag, rate) for tag, rate in rates.items() if rate is not None]
+        if self.clock.first_call_seconds is not None and not self._first_call_logged:
+            self._first_call_logged = True
+            values.append(_scalar_value("time/first_call_seconds", self.clock.first_call_seconds))
         device = device_memory_bytes()
         if device is not None:
             values += [_scalar_value("memory/device_current_bytes", device[0]),
                        _scalar_value("memory/device_peak_bytes", device[1])]
         current, peak = host_memory_bytes()
-        values += [_scalar_value("memory/host_rss_bytes", current),
-                   _scalar_value("memory/host_peak_rss_bytes", peak)]
+        if current is not None:
+            values.append(_scalar_value("memory/host_rss_bytes", current))
+        values.append(_scalar_value("memory/host_peak_rss_bytes", peak))
         self._write(step, values)
-        self._last_step, self._last_time = step, now
-        self._samples_since = self._micro_batches_since = 0
+        self._last_step, self._last_reading = step, reading
+        self._window_start = window_end
+        self._micro_batches_since = in_window
 
     def on_epoch_end(self, epoch, logs=None):
         step = int(self.accumulator.optimizer_step.numpy())
@@ -168,7 +185,9 @@ class TensorBoardLogger(keras.callbacks.Callback):
             self._write_train(step, {k: v for k, v in (logs or {}).items()
                                      if not k.startswith("val_")})
         if self.accumulator.epoch_end_action() is not None:
-            self._micro_batches_since = 0  # the next window starts with the next epoch
+            # The window was applied or dropped: the next one starts with the next epoch.
+            self._window_start = int(self.accumulator.micro_step.numpy())
+            self._micro_batches_since = 0
         values = [_scalar_value(f"val/{name[4:]}", number) for name, number in
                   ((name, _number(value)) for name, value in (logs or {}).items())
                   if name.startswith("val_") and number is not None]

@@ -16,23 +16,25 @@ import keras
 import numpy as np
 from omegaconf import OmegaConf
 
+from gacli.accumulate_model import WindowCallback, wrap_model
 from gacli.accumulation import (GradientAccumulateOptimizer, NonFiniteError, StopOnNonFinite,
                                 find_accumulating_optimizer)
-from gacli.accumulate_model import WindowCallback, wrap_model
 from gacli.batchnorm import apply_batchnorm_policy
 from gacli.config import FREE_ON_RESUME, PartialWindow, Policy, Wrapper, resolve_batch
 from gacli.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.data import load_dataset
+from gacli.errors import ConfigError, TrainingFailed
 from gacli.host_memory import HostMemoryCallback
+from gacli.memory_stats import reset_memory_peaks
 from gacli.models import build_model
 from gacli.optimizers import build_optimizer
 from gacli.run_logging import TensorBoardLogger, host_memory_bytes
-from gacli.errors import ConfigError, TrainingFailed
 from gacli.rundir import (CHECKPOINT_DIR, RESULT_FILE, check_usable, check_writable, is_chief,
                           write_json)
 from gacli.runstate import (RunCheckpoint, RunState, StopSignals, micro_batch_stream, pass_order,
                             scratch_or)
 from gacli.strategy import is_multi_worker, make_strategy
+from gacli.throughput import TrainingClock
 
 _KERAS_POLICY = {
     Policy.fp32: "float32",
@@ -199,6 +201,9 @@ def train(cfg, run_dir, given=(), parallel_jobs=False):
         if cfg.checkpoint:
             check_writable(os.path.join(run_dir, CHECKPOINT_DIR), "the checkpoint folder")
     strategy = make_strategy(cfg.strategy)
+    # A multirun's jobs share a process: each reports its own memory peaks. (After the strategy,
+    # which may split devices: listing them, as the reset does, fixes TensorFlow's device setup.)
+    reset_memory_peaks()
     plan = resolve_batch(cfg.micro_batch_size, cfg.accum_steps, cfg.effective_batch_size,
                          strategy.num_replicas_in_sync, given)
     keras.utils.set_random_seed(cfg.seed)
@@ -287,8 +292,10 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         }
         OmegaConf.save(OmegaConf.create(resolved), os.path.join(run_dir, "resolved.yaml"))
 
-    callbacks = [ProgressCallback(console, cfg.progress, plan, accumulator,
-                                  math.ceil(total_updates / cfg.epochs), cfg.epochs, parallel_jobs)]
+    clock = TrainingClock(accumulator, data.train_size, plan.global_micro_batch_size)
+    callbacks = [clock, ProgressCallback(console, cfg.progress, plan, accumulator,
+                                         math.ceil(total_updates / cfg.epochs), cfg.epochs,
+                                         parallel_jobs, clock=clock)]
     if wrapper == "optimizer":
         # A plain model's fit() does not close windows at epoch ends; this callback does.
         callbacks.insert(0, WindowCallback(accumulator))
@@ -306,7 +313,7 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
             "lr": float(optimizer_cfg.learning_rate), "optimizer": optimizer_cfg.name.value,
         }
         callbacks.append(TensorBoardLogger(os.path.join(run_dir, "tensorboard"), plan,
-                                           accumulator, hparams))
+                                           accumulator, hparams, clock))
     state = RunState(model, run_dir, chief)
     position = (0, 0)
     if cfg.resume:

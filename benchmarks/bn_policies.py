@@ -1,10 +1,11 @@
 """Batch-norm policies on the UNet recipe: final val IoU and wall time, by policy and accum_steps.
 
 Each cell is one ``ga-train config=unet.yaml accum_steps=k batchnorm=<policy>`` run in a fresh
-process (the recipe is seeded, so a run is deterministic). ``big_batch`` is the same effective batch
-without accumulation: ``accum_steps=1 micro_batch_size=8k`` with the recipe's own policy.
+process (the recipe is seeded, so a run is deterministic). ``big_batch_<policy>`` is the same
+effective batch without accumulation, ``accum_steps=1 micro_batch_size=8k batchnorm=<policy>``
+(``big_batch_keep``: plain Keras BN on the big batch).
 
-    python benchmarks/bn_policies.py [--policies keep accumulate precise big_batch] [--k 4 8 16]
+    python benchmarks/bn_policies.py [--policies keep precise big_batch_keep ...] [--k 4 8 16]
 
 Results go to ``benchmarks/results/bn_policies.{md,json}`` (``--out`` renames them); cells already
 in the JSON file are kept, so a run can add policies to an earlier one.
@@ -24,8 +25,9 @@ MICRO_BATCH_SIZE = 8  # the recipe's
 
 
 def overrides(policy, k):
-    if policy == "big_batch":
-        return ["accum_steps=1", f"micro_batch_size={MICRO_BATCH_SIZE * k}"]
+    if policy.startswith("big_batch_"):
+        return ["accum_steps=1", f"micro_batch_size={MICRO_BATCH_SIZE * k}",
+                f"batchnorm={policy[len('big_batch_'):]}"]
     return [f"accum_steps={k}", f"batchnorm={policy}"]
 
 
@@ -61,7 +63,8 @@ def table(cells, policies, ks):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", nargs="+",
-                        default=["keep", "accumulate", "precise", "big_batch"])
+                        default=["keep", "accumulate", "precise", "big_batch_keep",
+                                 "big_batch_precise"])
     parser.add_argument("--k", nargs="+", type=int, default=[4, 8, 16])
     parser.add_argument("--out", default="bn_policies")
     parser.add_argument("extra", nargs="*", help="more ga-train overrides for every run")
@@ -79,7 +82,8 @@ def main():
     (RESULTS / f"{args.out}.md").write_text(
         "UNet recipe (`ga-train config=unet.yaml`), final val IoU and wall time of the whole "
         "command, by batch-norm policy and accum_steps k (micro-batch 8, effective batch 8k; "
-        "`big_batch`: accum_steps=1, micro_batch_size=8k).\n\n" + table(cells, policies, ks) + "\n"
+        "`big_batch_<policy>`: accum_steps=1, micro_batch_size=8k).\n\n"
+        + table(cells, policies, ks) + "\n"
     )
 
 

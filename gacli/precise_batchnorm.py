@@ -160,12 +160,16 @@ class PreciseBatchNorm(keras.callbacks.Callback):
         self._training = False
         self._done_at = None
 
-    def recompute(self):
-        """Recompute now; returns the number of samples pooled."""
+    def _probe(self):
         if self._statistics is None:
             self._statistics = BatchNormStatistics(self.model)
+        return self._statistics
+
+    def recompute(self):
+        """Recompute now; returns the number of samples pooled."""
+        statistics = self._probe()
         self._done_at = self._update_count()
-        return self._statistics.recompute(self.data)
+        return statistics.recompute(self.data)
 
     def _update_count(self):
         optimizer = getattr(self.model, "optimizer", None)
@@ -177,6 +181,7 @@ class PreciseBatchNorm(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._training = True
+        self._probe()  # a model it cannot probe fails here, before any training
 
     def on_test_begin(self, logs=None):
         if self._training and self.before_validation:

@@ -132,6 +132,7 @@ BAD_INPUT = [
      "ga-train: model=unet with model.depth=3 halves the image 3 times"),
     (["model=unet"], "ga-train: model=unet segments images"),
     (["steps_per_execution=0"], "ga-train: steps_per_execution=0 must be >= 1"),
+    (["precise_bn_micro_batches=0"], "ga-train: precise_bn_micro_batches=0 must be >= 1"),
     (["wrapper=optimizer", "strategy=mirrored", "strategy.logical_cpus=2",
       "steps_per_execution=4"],
      "ga-train: steps_per_execution=4 with wrapper=optimizer fails under 2 replicas"),

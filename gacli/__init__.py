@@ -26,6 +26,8 @@ _LAZY = {
     "AccumBatchNormalization": "gacli.batchnorm",
     "BatchNormPolicy": "gacli.options",
     "apply_batchnorm_policy": "gacli.batchnorm",
+    "PreciseBatchNorm": "gacli.precise_batchnorm",
+    "BatchNormStatistics": "gacli.precise_batchnorm",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

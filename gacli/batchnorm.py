@@ -206,12 +206,14 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32)
     beta, moving mean and moving variance, so a pretrained model's inference output is unchanged
     (contract B2). ``group_norm`` swaps in ``GroupNormalization`` (gamma and beta carried over; its
     output differs, it has no batch statistics). ``freeze`` puts BN layers in inference mode in
-    place; ``keep`` changes nothing and warns once. Every other layer is reused, not copied.
+    place; ``keep`` changes nothing and warns once; ``precise`` changes nothing (add a
+    :class:`~gacli.precise_batchnorm.PreciseBatchNorm` callback to ``fit``, which sets the moving
+    statistics). Every other layer is reused, not copied.
 
     Args:
         model: a functional or Sequential model (subclassed models cannot be rewired; build them
             with ``AccumBatchNormalization`` directly).
-        policy: ``"keep"``, ``"accumulate"``, ``"freeze"`` or ``"group_norm"``.
+        policy: ``"keep"``, ``"accumulate"``, ``"freeze"``, ``"group_norm"`` or ``"precise"``.
         accum_steps: the window length for ``accumulate``.
         groups: the largest group count for ``group_norm`` (reduced to divide the channels).
 
@@ -223,6 +225,8 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32)
     layers = [layer for layer in _batchnorm_layers(model) if type(layer) is keras.layers.BatchNormalization]
     if not layers:
         return model
+    if policy is BatchNormPolicy.precise:
+        return model  # the layers train as they are; PreciseBatchNorm sets their statistics
     if policy is BatchNormPolicy.keep:
         if accum_steps > 1 and not _warned_keep:
             _warned_keep = True

@@ -156,6 +156,7 @@ class TrainConfig:
     wrapper: Wrapper = Wrapper.auto
     partial_window: PartialWindow = PartialWindow.apply
     batchnorm: BatchNormPolicy = BatchNormPolicy.keep
+    precise_bn_micro_batches: int = 200  # batchnorm=precise: training micro-batches pooled
     epochs: int = 1
     steps_per_epoch: Optional[int] = None  # optimizer updates per epoch (None: one data pass)
     seed: int = 0
@@ -335,6 +336,11 @@ def validate(cfg, given=()):
     if cfg.resume and not cfg.checkpoint:
         raise ConfigError(
             "resume needs checkpoints, but checkpoint=false; drop checkpoint=false to resume."
+        )
+    if cfg.precise_bn_micro_batches < 1:
+        raise ConfigError(
+            f"precise_bn_micro_batches={cfg.precise_bn_micro_batches} must be >= 1 (training "
+            "micro-batches that batchnorm=precise pools), e.g. precise_bn_micro_batches=200."
         )
     if cfg.strategy.logical_cpus < 0:
         raise ConfigError("strategy.logical_cpus must be >= 0 (0: use the devices as they are).")

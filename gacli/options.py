@@ -44,6 +44,9 @@ class BatchNormPolicy(str, enum.Enum):
     accumulate = "accumulate"  # AccumBatchNormalization: moving statistics per window
     freeze = "freeze"  # BN in inference mode, statistics frozen (fine-tuning)
     group_norm = "group_norm"  # GroupNormalization: no batch statistics at all
+    # Plain BN while training; moving statistics recomputed exactly from training micro-batches
+    # before each validation and at the end (gacli.PreciseBatchNorm).
+    precise = "precise"
 
 
 def parse_option(enum_type, value, argument):

@@ -27,7 +27,9 @@ from gacli.errors import ConfigError, TrainingFailed
 from gacli.host_memory import HostMemoryCallback
 from gacli.memory_stats import reset_memory_peaks
 from gacli.models import build_model
+from gacli.options import BatchNormPolicy
 from gacli.optimizers import build_optimizer
+from gacli.precise_batchnorm import precise_batchnorm_callback
 from gacli.run_logging import TensorBoardLogger, host_memory_bytes
 from gacli.rundir import (CHECKPOINT_DIR, RESULT_FILE, check_usable, check_writable, is_chief,
                           write_json)
@@ -333,6 +335,12 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     run_checkpoint = RunCheckpoint(state, accumulator, StopSignals(), hint,
                                    cfg.checkpoint_every_updates, save=cfg.checkpoint,
                                    multi_worker=is_multi_worker(strategy))
+    if cfg.batchnorm == BatchNormPolicy.precise:
+        # After the callbacks that close an epoch's window: the statistics see its last update.
+        callbacks.append(precise_batchnorm_callback(
+            data.train, plan.micro_batch_size, cfg.precise_bn_micro_batches, cfg.seed,
+            buffer_size=min(data.train_size, 10_000),
+        ))
     callbacks.append(run_checkpoint)
     history = {}
     try:

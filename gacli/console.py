@@ -6,6 +6,7 @@ Samples/s is the run's mean training throughput so far, as :mod:`gacli.throughpu
 number TensorBoard's ``throughput/mean_samples_per_sec`` holds at the same update.
 """
 
+import os
 import sys
 import time
 
@@ -27,7 +28,15 @@ from gacli.throughput import samples_per_second
 
 
 def make_console():
-    return Console(file=sys.stdout, highlight=False)
+    """The terminal's width on a terminal; into a file or a pipe, lines are not wrapped (rich
+    would wrap at 80 columns there: progress lines are printed with soft_wrap) and the panel may
+    be as wide as its longest line."""
+    if sys.stdout.isatty() or "COLUMNS" in os.environ:
+        return Console(file=sys.stdout, highlight=False)
+    return Console(file=sys.stdout, highlight=False, width=_LOG_WIDTH)
+
+
+_LOG_WIDTH = 160  # columns of the start-up panel in a log file
 
 
 def startup_panel(console, cfg, plan, facts):
@@ -131,14 +140,15 @@ class ProgressCallback(keras.callbacks.Callback):
         self.console.print(
             f"{prefix}update {int(self.accumulator.optimizer_step.numpy())}"
             f"/{self.updates_per_epoch * self.epochs}  micro-batch {micro_step}  "
-            f"{_format_logs(logs)}  {self._speed(micro_step)}"
+            f"{_format_logs(logs)}  {self._speed(micro_step)}", soft_wrap=True
         )
 
     def on_epoch_end(self, epoch, logs=None):
         if self.mode == ProgressMode.rich:
             self._refresh({k: v for k, v in (logs or {}).items() if not k.startswith("val_")})
             self._progress.update(self._task, epoch=min(epoch + 2, self.epochs))
-            self._progress.console.print(f"epoch {epoch + 1}/{self.epochs}  {_format_logs(logs)}")
+            self._progress.console.print(f"epoch {epoch + 1}/{self.epochs}  {_format_logs(logs)}",
+                                         soft_wrap=True)
         elif self.mode == ProgressMode.plain:
             self._line(logs, prefix=f"epoch {epoch + 1}/{self.epochs}  ")
 

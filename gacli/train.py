@@ -321,15 +321,17 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     if cfg.resume:
         with strategy.scope():
             model.optimizer.build(model.trainable_variables)
-        restored = state.restore(warn=lambda message: console.print(message, style="yellow"))
+        restored = state.restore(
+            warn=lambda message: console.print(message, style="yellow", soft_wrap=True))
         if restored is None:
-            console.print(f"resume: no checkpoint in {run_dir} yet; starting from the beginning")
+            console.print(f"resume: no checkpoint in {run_dir} yet; starting from the beginning",
+                          soft_wrap=True)
         else:
             position = restored
             console.print(
                 f"resume: from epoch {position[0] + 1}, micro-batch {position[1]} of it (update "
                 f"{int(accumulator.optimizer_step.numpy())}, micro-step "
-                f"{int(accumulator.micro_step.numpy())})"
+                f"{int(accumulator.micro_step.numpy())})", soft_wrap=True
             )
     hint = f"To continue, run the same command with resume=true, or resume={run_dir}."
     run_checkpoint = RunCheckpoint(state, accumulator, StopSignals(), hint,

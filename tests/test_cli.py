@@ -182,3 +182,32 @@ def test_a_finished_run_directory_is_never_overwritten(tmp_path):
     code, output = ga_train(*arguments, cwd=tmp_path)
     assert code == 2 and "holds a finished run, which is never written to again" in output
     assert open(tmp_path / "fixed" / "result.json").read() == before
+
+
+def test_help_flags_work(tmp_path):
+    code, output = ga_train("--version", cwd=tmp_path)
+    assert code == 0 and output.startswith("gacli 0.1.0 (TensorFlow 2."), output
+    assert "Keras 3." in output, output
+    code, output = ga_train("--info", cwd=tmp_path)
+    assert code == 0 and "Config search path" in output, output
+    assert "invalid choice" not in output and "Traceback" not in output, output
+    code, output = ga_train("--hydra-help", cwd=tmp_path)
+    assert code == 0 and "ga-train passes these Hydra options through" in output, output
+
+
+def test_a_default_run_is_quiet_and_its_log_lines_whole(tmp_path):
+    """No line a user would take for an error on stderr (TensorFlow's C++ start-up lines, the
+    failed CUDA probe of a machine without a GPU), no empty log file, and lines that a file
+    receives whole, not wrapped at 80 columns."""
+    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), "epochs=1",
+               "steps_per_epoch=2", "progress=plain"]
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("TF_CPP_MIN_LOG_LEVEL", "COLUMNS", "HYDRA_FULL_ERROR")}
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env=environment)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == "", result.stderr
+    epoch_lines = [line for line in result.stdout.splitlines() if line.startswith("epoch 1/1")]
+    assert len(epoch_lines) == 1 and "val_loss" in epoch_lines[0], result.stdout
+    run_dir = run_dir_of(result.stdout)
+    assert not glob.glob(os.path.join(run_dir, "*.log")), os.listdir(run_dir)

@@ -33,6 +33,13 @@ def test_dockerfile_shape():
     assert "--system-site-packages" in text
 
 
+def test_container_smoke_script_is_executable_bash():
+    script = os.path.join(ROOT, "scripts", "container_smoke.sh")
+    assert os.access(script, os.X_OK)
+    result = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def test_configs_and_recipes_ship_inside_the_installed_package():
     from importlib import resources
 

@@ -8,7 +8,8 @@
 # when neither is usable. Building the stand-in needs root and debootstrap.
 #
 # Environment:
-#   GACLI_SMOKE_BASE     base image to build on (default: the stand-in, built when missing)
+#   GACLI_SMOKE_BASE     base image to build on (default: the stand-in, built when missing),
+#                        e.g. tensorflow/tensorflow:2.21.0-gpu where a registry is reachable
 #   GACLI_SMOKE_IMAGE    tag of the project image (default localhost/gacli-smoke:latest)
 #   GACLI_SMOKE_UID      uid:gid to run as when invoked as root (default 4321:4321)
 #   GACLI_DEBIAN_MIRROR  Debian mirror for debootstrap (default: the one apt uses, if any)
@@ -132,12 +133,12 @@ build_standin() {
     rm -rf "$root" "$root.log"
 }
 
-if image_exists "$base"; then
+if [ "$base" != "$standin" ]; then
+    say "base image $base (the build pulls it if missing)"
+elif image_exists "$base"; then
     say "base image $base present (cached)"
-elif [ "$base" = "$standin" ]; then
-    build_standin
 else
-    fail "base image $base not found"
+    build_standin
 fi
 
 # --- the project's image -----------------------------------------------------------------------

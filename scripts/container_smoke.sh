@@ -144,9 +144,14 @@ fi
 # --- the project's image -----------------------------------------------------------------------
 work=$(mktemp -d)
 cleanup_paths+=("$work")
+previous=$("${rt[@]}" image inspect --format '{{.Id}}' "$image" 2>/dev/null) || previous=
 step "build $image" logged "$work/build.log" \
     "${rt[@]}" build "${build_opts[@]}" --build-arg "TF_IMAGE=$base" \
     -t "$image" -f "$repo/Dockerfile" "$repo"
+# The image a code change replaced would stay behind untagged, 0.3 GB at each CI run.
+if [ -n "$previous" ] && [ "$previous" != "$("${rt[@]}" image inspect --format '{{.Id}}' "$image")" ]; then
+    "${rt[@]}" rmi "$previous" >/dev/null 2>&1 || true
+fi
 say "image size: $("${rt[@]}" image inspect --format '{{.Size}}' "$image" \
     | awk '{ printf "%.2f GB", $1 / 1e9 }')"
 

@@ -130,9 +130,12 @@ build_standin() {
     step "stand-in: import as $standin" \
         logged "$root.log" bash -c 'tar --numeric-owner -C "$1" -c . | "${@:3}" import - "$2"' \
         _ "$root" "$standin" "${rt[@]}"
-    rm -rf "$root" "$root.log"
+    step "stand-in: remove the build tree" rm -rf "$root" "$root.log"
 }
 
+work=$(mktemp -d)
+cleanup_paths+=("$work")
+step "container runtime ready" logged "$work/info.log" "${rt[@]}" info
 if [ "$base" != "$standin" ]; then
     say "base image $base (the build pulls it if missing)"
 elif image_exists "$base"; then
@@ -142,8 +145,6 @@ else
 fi
 
 # --- the project's image -----------------------------------------------------------------------
-work=$(mktemp -d)
-cleanup_paths+=("$work")
 previous=$("${rt[@]}" image inspect --format '{{.Id}}' "$image" 2>/dev/null) || previous=
 step "build $image" logged "$work/build.log" \
     "${rt[@]}" build "${build_opts[@]}" --build-arg "TF_IMAGE=$base" \
@@ -155,9 +156,13 @@ fi
 say "image size: $("${rt[@]}" image inspect --format '{{.Size}}' "$image" \
     | awk '{ printf "%.2f GB", $1 / 1e9 }')"
 
-user_id=$("${rt[@]}" run --rm --network none --entrypoint id "$image" -u)
-[ "$user_id" != 0 ] || fail "the image runs as root by default"
-say "image's default uid: $user_id"
+default_user() {
+    local uid
+    uid=$("${rt[@]}" run --rm --network none --entrypoint id "$image" -u) || return 1
+    say "image's default uid: $uid"
+    [ "$uid" != 0 ]
+}
+step "the image's default user is not root" default_user
 
 # --- the default job, as the README runs it ----------------------------------------------------
 if [ "$(id -u)" -eq 0 ]; then run_as=${GACLI_SMOKE_UID:-4321:4321}; else run_as="$(id -u):$(id -g)"; fi

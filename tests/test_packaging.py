@@ -22,7 +22,22 @@ def test_dockerfile_shape():
     text = open(os.path.join(ROOT, "Dockerfile")).read()
     assert "ARG TF_IMAGE=tensorflow/tensorflow:2.21.0-gpu" in text
     assert 'ENTRYPOINT ["ga-train"]' in text
-    assert "USER 1000:1000" in text and 'VOLUME ["/runs"]' in text
+    assert 'VOLUME ["/runs"]' in text
+    # A numeric non-root user whose uid is not 1000, which Ubuntu 24.04 bases already use.
+    user = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
+    assert user and user[-1].split(":")[0] not in ("0", "1000", "root")
+    assert user[-1].split(":")[0].isdigit()
+    # Without it TensorFlow reserves nearly all of each visible GPU's memory at start.
+    assert "TF_FORCE_GPU_ALLOW_GROWTH=true" in text
+    # The base's TensorFlow is reused, and pip never writes into an externally managed Python.
+    assert "--system-site-packages" in text
+
+
+def test_container_smoke_script_is_executable_bash():
+    script = os.path.join(ROOT, "scripts", "container_smoke.sh")
+    assert os.access(script, os.X_OK)
+    result = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def test_configs_and_recipes_ship_inside_the_installed_package():

@@ -160,6 +160,12 @@ def _batchnorm_layers(model):
     ]
 
 
+def plain_batchnorm_layers(model):
+    """The Keras BatchNormalization layers inside ``model`` that gacli has not replaced."""
+    return [layer for layer in _batchnorm_layers(model)
+            if type(layer) is keras.layers.BatchNormalization]
+
+
 def accum_batchnorm_layers(model):
     """The AccumBatchNormalization layers inside ``model`` (nested models included)."""
     return [layer for layer in _batchnorm_layers(model) if isinstance(layer, AccumBatchNormalization)]
@@ -199,7 +205,7 @@ def _swap_layer(layer, policy, accum_steps, groups):
 _warned_keep = False
 
 
-def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32):
+def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32, warn=True):
     """Return ``model`` with its BatchNormalization layers handled per ``policy``.
 
     ``accumulate`` swaps each BN layer for an :class:`AccumBatchNormalization` carrying over gamma,
@@ -216,19 +222,21 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32)
         policy: ``"keep"``, ``"accumulate"``, ``"freeze"``, ``"group_norm"`` or ``"precise"``.
         accum_steps: the window length for ``accumulate``.
         groups: the largest group count for ``group_norm`` (reduced to divide the channels).
+        warn: under ``keep``, warn once that BN statistics are per micro-batch (``ga-train``
+            says so in its start-up panel instead).
 
     Example:
         >>> model = apply_batchnorm_policy(keras.applications.ResNet50(weights=None), "accumulate", 8)
     """
     global _warned_keep
     policy = parse_option(BatchNormPolicy, policy, "batchnorm")
-    layers = [layer for layer in _batchnorm_layers(model) if type(layer) is keras.layers.BatchNormalization]
+    layers = plain_batchnorm_layers(model)
     if not layers:
         return model
     if policy is BatchNormPolicy.precise:
         return model  # the layers train as they are; PreciseBatchNorm sets their statistics
     if policy is BatchNormPolicy.keep:
-        if accum_steps > 1 and not _warned_keep:
+        if warn and accum_steps > 1 and not _warned_keep:
             _warned_keep = True
             warnings.warn(
                 f"{len(layers)} BatchNormalization layer(s) compute statistics per micro-batch, "

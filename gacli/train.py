@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from gacli.accumulate_model import WindowCallback, wrap_model
 from gacli.accumulation import (GradientAccumulateOptimizer, NonFiniteError, StopOnNonFinite,
                                 find_accumulating_optimizer)
-from gacli.batchnorm import apply_batchnorm_policy
+from gacli.batchnorm import apply_batchnorm_policy, plain_batchnorm_layers
 from gacli.config import FREE_ON_RESUME, PartialWindow, Policy, Wrapper, resolve_batch
 from gacli.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.data import load_dataset
@@ -250,7 +250,8 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
         keras.utils.set_random_seed(cfg.seed)
         model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
         _check_fits(model, data)
-        model = apply_batchnorm_policy(model, cfg.batchnorm.value, plan.accum_steps)
+        batchnorm_layers = len(plain_batchnorm_layers(model))
+        model = apply_batchnorm_policy(model, cfg.batchnorm.value, plan.accum_steps, warn=False)
         inner = build_optimizer(optimizer_cfg, plan.effective_batch_size, total_updates)
         accumulation = dict(
             partial_window=cfg.partial_window.value, use_agc=optimizer_cfg.use_agc,
@@ -280,6 +281,11 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
                    f"{micro_batches if not fit_steps else fit_steps} micro-batches per epoch",
         "compiled calls": f"{steps_per_execution} micro-batches each (steps_per_execution)",
         "precision": cfg.precision.policy.value,
+        "batch norm": f"{cfg.batchnorm.value} ({batchnorm_layers} layer"
+                      f"{'s' if batchnorm_layers != 1 else ''}"
+                      + ("; statistics per micro-batch, batchnorm=precise recomputes them"
+                         if cfg.batchnorm == BatchNormPolicy.keep and plan.accum_steps > 1
+                         and batchnorm_layers else "") + ")",
         "strategy": f"{cfg.strategy.name.value} ({strategy.num_replicas_in_sync} replica"
                     f"{'s' if strategy.num_replicas_in_sync > 1 else ''})",
         "learning rate": f"{inner.learning_rate.numpy():.3g} at update 0",

@@ -195,11 +195,13 @@ def test_help_flags_work(tmp_path):
     assert code == 0 and "ga-train passes these Hydra options through" in output, output
 
 
-def test_a_default_run_is_quiet_and_its_log_lines_whole(tmp_path):
+@pytest.mark.parametrize("recipe", [[], ["config=digits_cnn.yaml"]], ids=["default", "bn-keep"])
+def test_a_default_run_is_quiet_and_its_log_lines_whole(recipe, tmp_path):
     """No line a user would take for an error on stderr (TensorFlow's C++ start-up lines, the
-    failed CUDA probe of a machine without a GPU), no empty log file, and lines that a file
-    receives whole, not wrapped at 80 columns."""
-    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), "epochs=1",
+    failed CUDA probe of a machine without a GPU, a warning about BN statistics that the start-up
+    panel states), no empty log file, and lines that a file receives whole, not wrapped at 80
+    columns."""
+    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *recipe, "epochs=1",
                "steps_per_epoch=2", "progress=plain"]
     environment = {k: v for k, v in os.environ.items()
                    if k not in ("TF_CPP_MIN_LOG_LEVEL", "COLUMNS", "HYDRA_FULL_ERROR")}

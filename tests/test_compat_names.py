@@ -155,6 +155,33 @@ def test_adaptive_clip_gradients_reads_rank_3_kernels_by_layer():
         assert float(np.max(np.abs(clipped[index].numpy() - wrong))) > 100 * ATOL
 
 
+def test_adaptive_clip_gradients_reads_multi_head_attention_projections():
+    """Query, key and value kernels [in, heads, dim] per (head, dim); the output projection
+    [heads, dim, out] per output channel, over its whole fan-in (heads, dim)."""
+    keras.utils.set_random_seed(0)
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3, name="attention")
+    sequence = keras.Input((5, 4))
+    attention(sequence, sequence)
+    variables = attention.trainable_variables
+    rng = np.random.default_rng(3)
+    gradients = [(0.02 * rng.normal(size=v.shape)).astype("float32") for v in variables]
+    clipped = gacli.adaptive_clip_gradients(gradients, variables, CLIP_FACTOR, EPS)
+    expected_axes = {"query/kernel": (0,), "key/kernel": (0,), "value/kernel": (0,),
+                     "attention_output/kernel": (0, 1)}
+    seen = set()
+    for variable, gradient, got in zip(variables, gradients, clipped):
+        suffix = "/".join(variable.path.split("/")[-2:])
+        axes = expected_axes.get(suffix, None if len(variable.shape) <= 1 else (0,))
+        seen.add(suffix)
+        expected, _ = reference_agc(variable.numpy(), gradient, axes)
+        difference = float(np.max(np.abs(got.numpy() - expected)))
+        assert record(f"adaptive_clip_gradients[mha {suffix}]", difference) <= ATOL
+        if suffix in ("query/kernel", "attention_output/kernel"):  # the other reading is far off
+            wrong, _ = reference_agc(variable.numpy(), gradient, (0, 1) if axes == (0,) else (0,))
+            assert float(np.max(np.abs(got.numpy() - wrong))) > 100 * ATOL, suffix
+    assert set(expected_axes) <= seen
+
+
 def numpy_update(model, x, y, learning_rate, table=CHOSEN_AXES):
     """Big-batch MSE gradient from a plain tape, clipped in NumPy, one SGD step in NumPy."""
     with tf.GradientTape() as tape:

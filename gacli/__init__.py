@@ -23,6 +23,11 @@ _LAZY = {
     "GradientAccumulateModel": "gacli.accumulate_model",
     "wrap_model": "gacli.accumulate_model",
     "adaptive_clip_gradients": "gacli.clipping",
+    # gradient-accumulator's names, kept so its users' imports work unchanged.
+    "adaptive_clip_grad": "gacli.clipping",
+    "unitwise_norm": "gacli.clipping",
+    "compute_norm": "gacli.clipping",
+    "replace_batchnorm_layers": "gacli.batchnorm",
     "AccumBatchNormalization": "gacli.batchnorm",
     "BatchNormPolicy": "gacli.options",
     "apply_batchnorm_policy": "gacli.batchnorm",

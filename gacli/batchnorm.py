@@ -261,3 +261,30 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32,
         model,
         clone_function=lambda layer: _swap_layer(layer, policy, accum_steps, groups),
     )
+
+
+def replace_batchnorm_layers(model, accum_steps, position="replace"):
+    """``gradient-accumulator``'s name for ``apply_batchnorm_policy(model, "accumulate", ...)``.
+
+    Returns ``model`` with every ``BatchNormalization`` layer swapped for an
+    :class:`AccumBatchNormalization` of the same configuration, carrying over gamma, beta, moving
+    mean and moving variance (``gradient-accumulator`` carried over only the moving statistics).
+
+    Args:
+        model: a functional or Sequential model.
+        accum_steps: the window length, the model's ``accum_steps``.
+        position: only ``"replace"``. ``gradient-accumulator`` named the argument after the
+            insert-a-layer recipe it came from but raised for every other value; ``"before"`` or
+            ``"after"`` would put a second normalisation next to the first.
+
+    Example:
+        >>> model = replace_batchnorm_layers(keras.applications.ResNet50(weights=None), 8)
+    """
+    if position != "replace":
+        raise ValueError(
+            f"replace_batchnorm_layers(position={position!r}): only position='replace' is "
+            "supported (as in gradient-accumulator); inserting an AccumBatchNormalization before "
+            "or after a BatchNormalization would normalise twice. Call it with position='replace' "
+            "or leave position out."
+        )
+    return apply_batchnorm_policy(model, BatchNormPolicy.accumulate, accum_steps)

@@ -75,7 +75,13 @@ class _RegisteringLoader(abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        _register_with_keras(finished=module.__name__)
+        try:
+            _register_with_keras(finished=module.__name__)
+        except ImportError as error:  # a broken gacli must not break the user's `import keras`
+            import warnings
+
+            warnings.warn(f"gacli's classes are not registered with Keras: {error}",
+                          stacklevel=2)
 
     def __getattr__(self, name):  # get_source, get_resource_reader, ...: the wrapped loader's
         return getattr(self._loader, name)

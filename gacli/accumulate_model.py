@@ -483,3 +483,9 @@ def wrap_model(model, accum_steps, **accumulation):
             **accumulation,
         )
     return AccumulatingModelWrapper(model, accum_steps=accum_steps, **accumulation)
+
+
+# Whichever of gacli's modules is imported first, Keras then knows the classes of all of them.
+from gacli import _register_with_keras  # noqa: E402
+
+_register_with_keras(finished=__name__)

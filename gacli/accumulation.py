@@ -246,7 +246,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self.skipped_windows = self._add_state("skipped_windows", dtype="int64")
         if self.nonfinite is NonFinite.stop:
             # 0 while training is healthy; then the micro_step (counted from 1) of the first
-            # micro-batch with a non-finite gradient, summed over replicas.
+            # micro-batch with a non-finite gradient on any replica (set in cross-replica context).
             self.halted_at = self._add_state("halted_at_micro_step", dtype="int64")
         if self.loss_scaling:
             self.loss_scale = self._add_state("loss_scale", initial_value=self.initial_scale)
@@ -696,7 +696,9 @@ class NonFiniteError(FloatingPointError):
         super().__init__(
             f"training stopped: micro-batch {micro_step} (counted from 1 since training began) "
             "gave a non-finite (inf or nan) loss or gradient, and nonfinite='stop'. No update "
-            "used it: the weights are those of the last update before it. Look for inf or nan in "
+            "used it: the trainable weights are those of the last update before it (the moving "
+            "statistics of plain BatchNormalization layers saw it, so restore the model from a "
+            "checkpoint before using it). Look for inf or nan in "
             "that micro-batch's inputs or targets; if they are clean, the model diverged (lower "
             "the learning rate, or clip the gradients with clipnorm). To train on past such "
             "micro-batches instead, use nonfinite='skip_micro_batch'."
@@ -724,3 +726,9 @@ def find_accumulating_optimizer(optimizer):
             return optimizer
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return None
+
+
+# Whichever of gacli's modules is imported first, Keras then knows the classes of all of them.
+from gacli import _register_with_keras  # noqa: E402
+
+_register_with_keras(finished=__name__)

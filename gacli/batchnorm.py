@@ -288,3 +288,9 @@ def replace_batchnorm_layers(model, accum_steps, position="replace"):
             "or leave position out."
         )
     return apply_batchnorm_policy(model, BatchNormPolicy.accumulate, accum_steps)
+
+
+# Whichever of gacli's modules is imported first, Keras then knows the classes of all of them.
+from gacli import _register_with_keras  # noqa: E402
+
+_register_with_keras(finished=__name__)

@@ -172,7 +172,7 @@ def _resolve_resume(overrides, label):
             "resume= continues one run, not a sweep; resume a sweep's job on its own with its "
             "overrides and resume=<its directory>."
         )
-    given_dir = [o.split("=", 1)[1] for o in rest if _key(o) == "hydra.run.dir"]
+    given_dir = [o.split("=", 1)[1].strip("'\"") for o in rest if _key(o) == "hydra.run.dir"]
     assignments = [o for o in rest if "=" in o and not o.startswith("-")
                    and not _key(o).startswith("hydra.")]
     if value.lower() in _YES and not given_dir and "strategy=multi_worker" in assignments:
@@ -216,20 +216,30 @@ def _check_run_dirs(options, assignments, launch):
     """Before Hydra writes into it: the run directory must be usable, writable and ours alone."""
     fixed = [a.split("=", 1)[1].strip("'\"") for a in assignments if _key(a) == "hydra.run.dir"]
     multirun = any(o in ("-m", "--multirun") for o in options)
-    if not fixed or multirun:
-        sweep = [a.split("=", 1)[1] for a in assignments if _key(a) == "hydra.sweep.dir"]
-        where = rundir.nearest_existing(sweep[-1] if multirun and sweep else os.getcwd())
-        rundir.check_writable(where, "the directory for run outputs,")
+    if multirun:
+        sweep = [a.split("=", 1)[1].strip("'\"") for a in assignments
+                 if _key(a) == "hydra.sweep.dir"]
+        if sweep and os.path.isdir(sweep[-1]) and os.listdir(sweep[-1]):
+            raise ConfigError(
+                f"hydra.sweep.dir={sweep[-1]} already holds a sweep's runs; a sweep never writes "
+                "into another's directory. Give a new hydra.sweep.dir, or leave it unset (each "
+                "sweep gets a new directory)."
+            )
+        rundir.check_writable(rundir.nearest_existing(sweep[-1] if sweep else os.getcwd()),
+                              "the directory for run outputs,")
         return
-    run_dir = os.path.abspath(os.path.expanduser(fixed[-1]))
+    if not fixed or "${" in fixed[-1] or fixed[-1].startswith("~"):
+        # Hydra resolves those itself; the job checks and locks the directory it gets.
+        rundir.check_writable(os.getcwd(), "the directory for run outputs,")
+        return
+    run_dir = os.path.abspath(fixed[-1])
     resume = any(_key(a) == "resume" for a in assignments)
     if os.path.isdir(run_dir):
         launch.kept_dir = run_dir
-        rundir.check_usable(run_dir, resume)
     rundir.check_writable(rundir.nearest_existing(run_dir), "the run directory's parent,")
     if rundir.is_chief():  # other workers of a cluster may share the chief's directory
-        rundir.lock(run_dir, launch.command)
-        rundir.check_usable(run_dir, resume)  # again, now that no other run can be finishing
+        rundir.lock(run_dir, launch.command)  # first: a live run is "in use", not "unfinished"
+    rundir.check_usable(run_dir, resume)
 
 
 def main(argv=None):

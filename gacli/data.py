@@ -67,7 +67,7 @@ def _check_arrays(x, y, cfg, source, task, num_outputs):
             "samples."
         )
     if task == "segmentation":
-        bad = ~np.isfinite(y.reshape(len(y), -1)).all(axis=1)
+        bad = ~np.isfinite(y.reshape(len(y), -1)).all(axis=1) if len(y) else np.zeros(0, bool)
         if bad.any():
             raise ConfigError(f"{source}: the masks of {_first_rows(bad)} hold inf or nan; "
                               "replace or drop them.")

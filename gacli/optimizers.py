@@ -89,3 +89,9 @@ def build_optimizer(cfg, effective_batch_size, total_updates):
     if cfg.name == OptimizerName.adamw:
         return keras.optimizers.AdamW(weight_decay=cfg.weight_decay, **common)
     return keras.optimizers.RMSprop(**common)
+
+
+# Whichever of gacli's modules is imported first, Keras then knows the classes of all of them.
+from gacli import _register_with_keras  # noqa: E402
+
+_register_with_keras(finished=__name__)

@@ -5,15 +5,17 @@ While it loads and finds its devices, TensorFlow's C++ runtime writes straight t
 the binary was built for, and, on a machine without a GPU, an ERROR line ("failed call to cuInit:
 ... UNKNOWN ERROR (303)") that reads like a failure of the run. ``ga-train`` sends fd 2 through a
 filter for that span only: the known lines are dropped, every other line (a real error among
-them) passes unchanged, and afterwards fd 2 is the terminal again, so nothing later (a crash
-report above all) can be held back by the filter.
+them) passes unchanged, and afterwards fd 2 is the terminal again.
+
+The filter is a forked process, not a thread: it needs no lock of this process (C++ code may
+write while holding Python's), and it still forwards what was written if this process aborts
+(a fatal error while TensorFlow loads).
 """
 
 import contextlib
 import os
 import re
 import sys
-import threading
 
 # Each pattern names a line TensorFlow prints on every start on some machines, never a fault of
 # the run: the absl preamble, INFO lines about CUDA and CPU features, and the failed CUDA probe.
@@ -23,29 +25,45 @@ _KNOWN = re.compile(
     r"|To enable the following instructions: .*rebuild TensorFlow with the appropriate compiler"
     r"|E\d{4} [\d:.]+ +\d+ cuda_(platform|executor|diagnostics)\.cc:\d+\] failed call to cuInit"
 )
+# A user who asked TensorFlow for its own logging gets all of it, unfiltered.
+_USER_LOGGING = ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL", "TF_CPP_VMODULE")
 
 
 @contextlib.contextmanager
 def tensorflow_startup():
     """Inside, lines written to fd 2 that match the known start-up messages are dropped."""
+    if (not hasattr(os, "fork") or "tensorflow" in sys.modules
+            or any(name in os.environ for name in _USER_LOGGING)):
+        # Loaded already (a multirun's later job: its lines were filtered once, and forking a
+        # process with TensorFlow's threads is not safe), or the user wants TensorFlow's logs.
+        yield
+        return
     sys.stderr.flush()
     terminal = os.dup(2)
     read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the filter: forward until every write end is closed, then exit at once
+        os.close(write_end)
+        _forward(read_end, terminal)
+        os._exit(0)
+    os.close(read_end)
     os.dup2(write_end, 2)
     os.close(write_end)
-    forwarder = threading.Thread(target=_forward, args=(read_end, terminal), daemon=True)
-    forwarder.start()
     try:
         yield
     finally:
         sys.stderr.flush()
-        os.dup2(terminal, 2)  # the pipe's last write end closes: the forwarder reads to its end
-        forwarder.join()
+        os.dup2(terminal, 2)  # the pipe's last write end closes: the filter reads to its end
         os.close(terminal)
+        os.waitpid(child, 0)
 
 
 def _forward(read_end, terminal):
     with os.fdopen(read_end, "rb") as lines:
         for line in lines:
-            if not _KNOWN.match(line.decode(errors="replace")):
+            if _KNOWN.match(line.decode(errors="replace")):
+                continue
+            try:
                 os.write(terminal, line)
+            except OSError:  # stderr closed: keep draining, so the writer never blocks
+                pass

@@ -42,8 +42,18 @@ _held = {}  # real path -> open lock file, for the locks this process holds
 
 
 def is_chief():
-    """Whether this process writes logs and checkpoints (worker 0 of a multi-worker cluster)."""
-    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    """Whether this process writes logs and checkpoints (worker 0 of a multi-worker cluster).
+
+    From TF_CONFIG; without it, from SLURM's task rank (ga-train sets TF_CONFIG from SLURM only
+    when it builds the strategy, after the run directory is locked).
+    """
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return os.environ.get("SLURM_PROCID", "0") == "0"
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        raise ConfigError(f"TF_CONFIG is not valid JSON: {raw!r}.") from None
     task = config.get("task", {})
     return task.get("type", "chief") == "chief" or (
         task.get("type") == "worker" and task.get("index", 0) == 0
@@ -188,10 +198,23 @@ def record_failure(run_dir, exit_code, message):
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
+# What a new run writes before training starts: Hydra's record of the job, the lock, the
+# checkpoint folder it checked it could write to, and (late) the resolved config and event file.
+_BEFORE_TRAINING = {".hydra", LOCK_FILE, CHECKPOINT_DIR, "resolved.yaml", "tensorboard"}
+
+
 def discard_unstarted(run_dir):
     """Remove the directory of a new run that stopped on its input before training: it holds
-    nothing worth keeping (Hydra's record of the job, an empty log), and left behind it would
-    look like an unfinished run. Call it only for a directory this run created."""
-    if os.path.isdir(run_dir) and not checkpoint_numbers(run_dir):
-        release(run_dir)
-        shutil.rmtree(run_dir, ignore_errors=True)
+    nothing worth keeping, and left behind it would look like an unfinished run. Only a directory
+    that holds nothing but what such a run writes is removed; anything else (a finished run, a
+    checkpoint, a file of the user's) leaves it as it is."""
+    if not os.path.isdir(run_dir) or checkpoint_numbers(run_dir):
+        return
+    for name in os.listdir(run_dir):
+        path = os.path.join(run_dir, name)
+        empty_log = name.endswith(".log") and os.path.isfile(path) and not os.path.getsize(path)
+        if name not in _BEFORE_TRAINING and not empty_log:
+            return
+    # Removed while still locked, so that no other run can start in it half-removed.
+    shutil.rmtree(run_dir, ignore_errors=True)
+    release(run_dir)

@@ -227,6 +227,7 @@ def test_a_second_run_on_a_held_directory_is_refused(tmp_path):
         time.sleep(0.05)
     hydra_record = (tmp_path / "shared" / ".hydra" / "overrides.yaml")
     while not hydra_record.exists():
+        assert first.poll() is None and time.time() < deadline
         time.sleep(0.05)
     recorded = hydra_record.read_text()
     code, output = ga_train("epochs=1", "hydra.run.dir=shared", cwd=tmp_path)
@@ -237,3 +238,22 @@ def test_a_second_run_on_a_held_directory_is_refused(tmp_path):
     # The refused run wrote nothing: not Hydra's record of the job, not a result.
     assert hydra_record.read_text() == recorded
     assert run_dir_of(first_output).endswith("shared")
+
+
+def test_bad_input_never_removes_a_directory_that_holds_something_else(tmp_path):
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("the user's own file")
+    code, output = ga_train("dataset=npz", f"dataset.path={tmp_path}/missing.npz",
+                            f"hydra.run.dir={existing}", cwd=tmp_path)
+    assert code == 2 and "does not exist" in output, output
+    assert (existing / "notes.txt").read_text() == "the user's own file"
+
+
+def test_a_sweep_never_writes_into_another_sweeps_directory(tmp_path):
+    (tmp_path / "sweep" / "0_accum_steps=1").mkdir(parents=True)
+    (tmp_path / "sweep" / "0_accum_steps=1" / "result.json").write_text("{}")
+    code, output = ga_train("-m", "accum_steps=1,2", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert "hydra.sweep.dir=sweep already holds a sweep's runs" in output, output
+    assert os.listdir(tmp_path / "sweep" / "0_accum_steps=1") == ["result.json"]

@@ -46,3 +46,13 @@ def test_configs_and_recipes_ship_inside_the_installed_package():
     configs = resources.files("gacli.configs")
     assert (configs / "train.yaml").is_file() and (configs / "model" / "unet.yaml").is_file()
     assert (resources.files("gacli.recipes") / "unet.yaml").is_file()
+
+
+def test_the_readme_speaks_to_outsiders():
+    """No pointer a reader outside the project cannot follow: the contract lives in docs/."""
+    import re
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    insider = re.findall(r"GA_CONTRACT|\.\./shared|\bissue [0-9]+\b|contract rows? [A-Z][0-9]", text)
+    assert not insider, insider
+    assert "docs/contract.md" in text and os.path.exists(os.path.join(ROOT, "docs", "contract.md"))

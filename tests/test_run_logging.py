@@ -119,6 +119,7 @@ def test_peak_rss_is_never_below_current_while_another_thread_allocates():
         held = []
         while not stop.is_set() and len(held) < 300:
             held.append(b"x" * 2**20)  # written, so resident: RSS climbs to new highs
+            time.sleep(0.0005)  # lets the reader in between allocations, however busy the CPU
 
     worker = threading.Thread(target=allocate)
     worker.start()

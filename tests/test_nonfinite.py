@@ -81,9 +81,9 @@ def test_ga_train_stops_on_a_diverging_run_and_names_the_micro_batch(tmp_path):
                             "checkpoint_every_updates=1", cwd=tmp_path)
     assert code == 1, output
     assert "Traceback" not in output, output
-    assert "ga-train: training stopped at epoch 1, micro-batch 5 of 45: its loss or gradient was "
-    "not finite (inf or nan). It held the samples at positions 128-159 of pass 1 over the "
-    "training data (scikit-learn's digits: row " in output, output
+    assert ("ga-train: training stopped at epoch 1, micro-batch 5 of 45: its loss or gradient was "
+            "not finite (inf or nan). It held the samples at positions 128-159 of pass 1 over the "
+            "training data (scikit-learn's digits: row ") in output, output
     (run_dir,) = glob.glob(str(tmp_path / "outputs" / "default" / "*"))
     assert not os.path.exists(os.path.join(run_dir, "result.json"))
     assert not os.path.exists(os.path.join(run_dir, "model.keras"))

@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "GradientAccumulateOptimizer": "gacli.accumulation",
+    "AccumulationConfig": "gacli.settings",
     "PartialWindow": "gacli.options",
     "NonFinite": "gacli.options",
     "LossNormalization": "gacli.options",
@@ -22,6 +23,7 @@ _LAZY = {
     "StopOnNonFinite": "gacli.accumulation",
     "GradientAccumulateModel": "gacli.accumulate_model",
     "wrap_model": "gacli.accumulate_model",
+    "accumulation_callbacks": "gacli.accumulate_model",
     "adaptive_clip_gradients": "gacli.clipping",
     # gradient-accumulator's names, kept so its users' imports work unchanged.
     "adaptive_clip_grad": "gacli.clipping",

@@ -13,6 +13,7 @@ import warnings
 import keras
 from keras import ops
 
+from gacli import _keras_compat as compat
 from gacli.options import BatchNormPolicy, parse_option
 
 
@@ -64,7 +65,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         if mask is None:
             shape = ops.shape(inputs)
             count = 1.0
-            for axis in self._reduction_axes:
+            for axis in compat.batchnorm_reduction_axes(self):
                 count = count * ops.cast(shape[axis], "float32")
         else:
             # Keras broadcasts a mask over the channel axis: every channel sees sum(mask).
@@ -155,7 +156,7 @@ class BatchGroupNormalization(keras.layers.GroupNormalization):
 
 def _batchnorm_layers(model):
     return [
-        layer for layer in model._flatten_layers(include_self=False)
+        layer for layer in compat.sublayers(model)
         if isinstance(layer, keras.layers.BatchNormalization)
     ]
 
@@ -202,9 +203,6 @@ def _swap_layer(layer, policy, accum_steps, groups):
     return new
 
 
-_warned_keep = False
-
-
 def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32, warn=True):
     """Return ``model`` with its BatchNormalization layers handled per ``policy``.
 
@@ -228,7 +226,6 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32,
     Example:
         >>> model = apply_batchnorm_policy(keras.applications.ResNet50(weights=None), "accumulate", 8)
     """
-    global _warned_keep
     policy = parse_option(BatchNormPolicy, policy, "batchnorm")
     layers = plain_batchnorm_layers(model)
     if not layers:
@@ -236,8 +233,8 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32,
     if policy is BatchNormPolicy.precise:
         return model  # the layers train as they are; PreciseBatchNorm sets their statistics
     if policy is BatchNormPolicy.keep:
-        if warn and accum_steps > 1 and not _warned_keep:
-            _warned_keep = True
+        if warn and accum_steps > 1:
+            # Python's warning filters show it once per place it is called from.
             warnings.warn(
                 f"{len(layers)} BatchNormalization layer(s) compute statistics per micro-batch, "
                 "not per window; use batchnorm policy 'accumulate' (AccumBatchNormalization) for "
@@ -249,9 +246,7 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32,
         for layer in layers:
             layer.trainable = False
         return model
-    from keras.src.models.functional import Functional
-
-    if not isinstance(model, (Functional, keras.Sequential)):
+    if not compat.is_functional(model):
         raise ValueError(
             f"batchnorm={policy.value!r} rewires the model's graph, which a subclassed model does "
             "not have; build it with gacli.AccumBatchNormalization (or GroupNormalization) "

@@ -252,33 +252,47 @@ def main(argv=None):
         return 0
     launch = _Launch(command=" ".join(["ga-train", *argv]))
     try:
-        config, overrides = _split_config_argument(argv)
-        config_path, config_name, label = locate_config(config)
-        if any(flag in overrides for flag in ("--help", "-h")):
-            print(_HELP.format(
-                recipes=", ".join(r + ".yaml" for r in _names("gacli.recipes")),
-                **{plural: ", ".join(_names("gacli.configs", group)) for group, plural in
-                   (("model", "models"), ("dataset", "datasets"), ("optimizer", "optimizers"),
-                    ("precision", "precisions"), ("strategy", "strategies"))},
-            ))
-            return 0
-        from gacli.user_config import GROUPS, check_overrides, check_user_yaml
-
-        if not config_path.startswith("pkg://"):
-            check_user_yaml(os.path.join(config_path, config_name), config,
-                            {group: _names("gacli.configs", group) for group in GROUPS})
-        # Hydra's parser wants its options (-m, --cfg job, ...) before the key=value overrides;
-        # a bare --info would take the next override for its argument.
-        options = ["--info=all" if a == "--info" else a for a in overrides
-                   if a.startswith("-") or "=" not in a]
-        check_overrides([a for a in overrides if a not in options and a != "--info"])
-        overrides = _resolve_resume(overrides, label)
-        assignments = [a for a in overrides if not (a.startswith("-") or "=" not in a)]
-        if not any(o.startswith(("--cfg", "--info", "-c", "-i")) for o in options):
-            _check_run_dirs(options, assignments, launch)
+        checked = _check_command_line(argv, launch)
     except ConfigError as error:
         return _error(error)
+    if checked is None:
+        return 0  # --help was printed
+    return _run_hydra(*checked, launch)
 
+
+def _check_command_line(argv, launch):
+    """Everything checked before Hydra starts: the config file, the overrides, the run
+    directories. Returns (config path, config name, label, Hydra options, assignments,
+    overrides), or None after printing --help."""
+    config, overrides = _split_config_argument(argv)
+    config_path, config_name, label = locate_config(config)
+    if any(flag in overrides for flag in ("--help", "-h")):
+        print(_HELP.format(
+            recipes=", ".join(r + ".yaml" for r in _names("gacli.recipes")),
+            **{plural: ", ".join(_names("gacli.configs", group)) for group, plural in
+               (("model", "models"), ("dataset", "datasets"), ("optimizer", "optimizers"),
+                ("precision", "precisions"), ("strategy", "strategies"))},
+        ))
+        return None
+    from gacli.user_config import GROUPS, check_overrides, check_user_yaml
+
+    if not config_path.startswith("pkg://"):
+        check_user_yaml(os.path.join(config_path, config_name), config,
+                        {group: _names("gacli.configs", group) for group in GROUPS})
+    # Hydra's parser wants its options (-m, --cfg job, ...) before the key=value overrides;
+    # a bare --info would take the next override for its argument.
+    options = ["--info=all" if a == "--info" else a for a in overrides
+               if a.startswith("-") or "=" not in a]
+    check_overrides([a for a in overrides if a not in options and a != "--info"])
+    overrides = _resolve_resume(overrides, label)
+    assignments = [a for a in overrides if not (a.startswith("-") or "=" not in a)]
+    if not any(o.startswith(("--cfg", "--info", "-c", "-i")) for o in options):
+        _check_run_dirs(options, assignments, launch)
+    return config_path, config_name, label, options, assignments, overrides
+
+
+def _run_hydra(config_path, config_name, label, options, assignments, overrides, launch):
+    """Compose the config with Hydra and run the job(s); the exit code."""
     import hydra
 
     from gacli.config import register_configs

@@ -216,6 +216,34 @@ def resolve_batch(micro_batch_size, accum_steps, effective_batch_size, replicas,
     Returns:
         A :class:`BatchPlan`.
     """
+    micro, accum, effective, from_command_line = _chosen_batch_values(
+        micro_batch_size, accum_steps, effective_batch_size, given)
+    if micro is not None and accum is not None:
+        return _checked_plan(micro, accum, effective, replicas, from_command_line)
+    if micro is not None:
+        per_update = micro * replicas
+        if effective % per_update:
+            lower = max(per_update, effective // per_update * per_update)
+            raise ConfigError(
+                f"effective_batch_size={effective} is not a multiple of micro_batch_size x "
+                f"replicas = {micro} x {replicas} = {per_update}; use e.g. "
+                f"effective_batch_size={lower} or {lower + per_update}, or another "
+                "micro_batch_size."
+            )
+        return BatchPlan(micro, effective // per_update, replicas)
+    per_micro = accum * replicas
+    if effective % per_micro:
+        raise ConfigError(
+            f"effective_batch_size={effective} is not a multiple of accum_steps x replicas = "
+            f"{accum} x {replicas} = {per_micro}; set micro_batch_size instead, e.g. "
+            f"micro_batch_size={max(1, effective // per_micro)}."
+        )
+    return BatchPlan(effective // per_micro, accum, replicas)
+
+
+def _chosen_batch_values(micro_batch_size, accum_steps, effective_batch_size, given):
+    """(micro, accum, effective, keys from the command line): the values that decide the plan,
+    None for the one to derive."""
     values = dict(zip(_BATCH_KEYS, (micro_batch_size, accum_steps, effective_batch_size)))
     for key, value in values.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -238,49 +266,34 @@ def resolve_batch(micro_batch_size, accum_steps, effective_batch_size, replicas,
         micro = 32  # the default micro-batch when it cannot be derived
     if accum is None and effective is None:
         accum = 1
-    if micro is not None and accum is not None:
-        plan = BatchPlan(micro, accum, replicas)
-        disagree = effective is not None and effective != plan.effective_batch_size
-        if disagree and not from_command_line:
-            # All three from config files: the usual cause is a YAML that sets two of them and
-            # leaves the default job's accum_steps in place.
-            derived = ("accum_steps: null", f"accum_steps = {effective // (micro * replicas)}") \
-                if effective % (micro * replicas) == 0 else \
-                ("effective_batch_size: null", f"effective_batch_size = {plan.effective_batch_size}")
-            raise ConfigError(
-                f"micro_batch_size={micro}, accum_steps={accum} and effective_batch_size="
-                f"{effective} are all set in the config files (the default job sets accum_steps: "
-                f"4) and disagree: {micro} x {accum} x {replicas} replica(s) = "
-                f"{plan.effective_batch_size}. Set the one to derive to null in your YAML, e.g. "
-                f"{derived[0]} (then {derived[1]}), or give two of them on the command line."
-            )
-        if effective is not None and effective != plan.effective_batch_size:
-            raise ConfigError(
-                f"effective_batch_size={effective} does not equal micro_batch_size x accum_steps x "
-                f"replicas = {micro} x {accum} x {replicas} = {plan.effective_batch_size}; set "
-                "two of the three (the third is derived), e.g. "
-                f"effective_batch_size={plan.effective_batch_size}."
-            )
-        return plan
-    if micro is not None:
-        per_update = micro * replicas
-        if effective % per_update:
-            lower = max(per_update, effective // per_update * per_update)
-            raise ConfigError(
-                f"effective_batch_size={effective} is not a multiple of micro_batch_size x "
-                f"replicas = {micro} x {replicas} = {per_update}; use e.g. "
-                f"effective_batch_size={lower} or {lower + per_update}, or another "
-                "micro_batch_size."
-            )
-        return BatchPlan(micro, effective // per_update, replicas)
-    per_micro = accum * replicas
-    if effective % per_micro:
+    return micro, accum, effective, from_command_line
+
+
+def _checked_plan(micro, accum, effective, replicas, from_command_line):
+    """The plan of ``micro`` x ``accum``; a ConfigError when ``effective`` disagrees."""
+    plan = BatchPlan(micro, accum, replicas)
+    disagree = effective is not None and effective != plan.effective_batch_size
+    if disagree and not from_command_line:
+        # All three from config files: the usual cause is a YAML that sets two of them and
+        # leaves the default job's accum_steps in place.
+        derived = ("accum_steps: null", f"accum_steps = {effective // (micro * replicas)}") \
+            if effective % (micro * replicas) == 0 else \
+            ("effective_batch_size: null", f"effective_batch_size = {plan.effective_batch_size}")
         raise ConfigError(
-            f"effective_batch_size={effective} is not a multiple of accum_steps x replicas = "
-            f"{accum} x {replicas} = {per_micro}; set micro_batch_size instead, e.g. "
-            f"micro_batch_size={max(1, effective // per_micro)}."
+            f"micro_batch_size={micro}, accum_steps={accum} and effective_batch_size="
+            f"{effective} are all set in the config files (the default job sets accum_steps: "
+            f"4) and disagree: {micro} x {accum} x {replicas} replica(s) = "
+            f"{plan.effective_batch_size}. Set the one to derive to null in your YAML, e.g. "
+            f"{derived[0]} (then {derived[1]}), or give two of them on the command line."
         )
-    return BatchPlan(effective // per_micro, accum, replicas)
+    if disagree:
+        raise ConfigError(
+            f"effective_batch_size={effective} does not equal micro_batch_size x accum_steps x "
+            f"replicas = {micro} x {accum} x {replicas} = {plan.effective_batch_size}; set "
+            "two of the three (the third is derived), e.g. "
+            f"effective_batch_size={plan.effective_batch_size}."
+        )
+    return plan
 
 
 def expected_replicas(strategy):

@@ -82,6 +82,6 @@ def make_strategy(cfg):
 
 def is_multi_worker(strategy):
     """Whether ``strategy`` spans several worker processes."""
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
-        strategy.extended._in_multi_worker_mode()
-    )
+    from gacli._keras_compat import in_multi_worker_mode
+
+    return in_multi_worker_mode(strategy)

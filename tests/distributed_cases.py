@@ -12,6 +12,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -127,7 +128,46 @@ def custom_loop_case(optimizer, replicas, samples, micro, accum_steps, loss_styl
     return max_weight_difference(model, reference)
 
 
+def restored_case(optimizer, replicas=2):
+    """Plain fit() with the optimizer wrapper stops mid-window (3 micro-batches, k=2); new objects
+    restore the checkpoint and apply the open window, as a resumed run's end does. Nothing in the
+    new objects has traced a micro-step: the window must be applied from saved state alone."""
+    import tempfile
+
+    x, y = make_data(96)
+    make_optimizer = OPTIMIZERS[optimizer]
+    reference = big_batch_reference(make_optimizer, [np.arange(0, 64), np.arange(64, 96)], x, y)
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+
+    def build():
+        with strategy.scope():
+            model = plain_model()
+            model.compile(optimizer=gacli.GradientAccumulateOptimizer(
+                make_optimizer(), accum_steps=2), loss="mse")
+            model.optimizer.build(model.trainable_variables)
+        return model, tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+
+    model, checkpoint = build()
+    with model.optimizer.fit_continues():
+        model.fit(x, y, batch_size=16 * replicas, epochs=1, shuffle=False, verbose=0)
+    path = checkpoint.save(os.path.join(tempfile.mkdtemp(), "ckpt"))
+    restored, checkpoint = build()
+    with strategy.scope():
+        checkpoint.restore(path).assert_existing_objects_matched()
+    restored.optimizer.finish_epoch(last=True)
+    return max_weight_difference(restored, reference)
+
+
 def main():
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
+    if only:
+        # One family of cases, while working on it: python distributed_cases.py restored
+        print("RESULTS " + json.dumps({
+            f"optimizer-2replicas-restored-{name}": restored_case(name)
+            for name in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm")
+            if only in "optimizer-2replicas-restored-" + name
+        }))
+        return
     results = {}
     for optimizer in ("momentum", "adam"):
         # 70 samples: global micro-batches of 32, 32, 6 (3 per replica); windows of 64 and 6.
@@ -147,6 +187,8 @@ def main():
         results[f"model-2replicas-ragged-{optimizer}"] = fit_case("model", optimizer, 2, 70, 16, 2)
         results[f"optimizer-2replicas-{optimizer}"] = fit_case("optimizer", optimizer, 2, 128,
                                                                16, 2)
+    for optimizer in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm"):
+        results[f"optimizer-2replicas-restored-{optimizer}"] = restored_case(optimizer)
     print("RESULTS " + json.dumps(results))
 
 

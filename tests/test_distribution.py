@@ -34,6 +34,11 @@ CASES = [
     f"{kind}-{clipping}"
     for kind in ("model-2replicas-ragged", "optimizer-2replicas")
     for clipping in ("momentum-global-clipnorm", "momentum-clipvalue", "sgd-agc")
+] + [
+    # Restored mid-window in new objects that never traced a micro-step, then applied: the
+    # window's normalisation and its variables come from saved state, not from a trace.
+    f"optimizer-2replicas-restored-{optimizer}"
+    for optimizer in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm")
 ]
 
 

@@ -174,3 +174,32 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise(tmp_path, monkeypat
     output = buffer.getvalue()
     assert expected in output and "samples/s" in output
     assert "effective batch  64 = micro_batch_size 32 x accum_steps 2 x replicas 1" in output
+
+
+def test_train_puts_back_the_callers_precision_policy(tmp_path):
+    """A notebook that set its own policy keeps it after a ga-train job trained in float32."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        run(tmp_path, "epochs=1", "micro_batch_size=64", "accum_steps=2", "checkpoint=false")
+        assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def test_the_job_steps_run_alone(tmp_path):
+    """train()'s steps take what they need and can be run one by one."""
+    from gacli.config import resolve_batch
+    from gacli.data import load_dataset
+    from gacli.train import build_job, plan_schedule
+
+    cfg = compose_config("epochs=2", "micro_batch_size=64", "accum_steps=4")
+    plan = resolve_batch(64, 4, None, 1)
+    data = load_dataset(cfg.dataset, cfg.seed)
+    schedule = plan_schedule(cfg, plan, data.train_size)
+    assert schedule.micro_batches == -(-data.train_size // 64)
+    assert schedule.total_updates == 2 * -(-schedule.micro_batches // 4)
+    job = build_job(cfg, plan, data, schedule, tf.distribute.get_strategy())
+    assert job.accumulator.config.accum_steps == 4
+    assert job.accumulator.config.nonfinite.value == "stop"  # ga-train's default in float32
+    assert job.model.accumulation_config.accum_steps == 4

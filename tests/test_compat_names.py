@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import MEASURED
+from helpers import MEASURED
 
 import gacli
 

@@ -10,15 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import MEASURED
-from test_cli import run_dir_of
-from test_resume import difference
+from allreduce_bytes import free_ports
+from helpers import record, run_difference, run_dir_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCHMARKS = os.path.join(HERE, os.pardir, "benchmarks")
-BYTES_SCRIPT = os.path.join(BENCHMARKS, "allreduce_bytes.py")
-sys.path.insert(0, BENCHMARKS)
-from allreduce_bytes import free_ports  # noqa: E402
+BYTES_SCRIPT = os.path.join(HERE, os.pardir, "benchmarks", "allreduce_bytes.py")
 
 # Global micro-batches of 32 (16 per worker), k=4: windows of 128; the digits' training split
 # (1438 samples) ends each epoch with a short window of 30 samples.
@@ -83,9 +79,9 @@ def test_ga_train_mirrored_matches_big_batch(tmp_path, big_batch_run, replicas,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"({replicas} replica" in result.stdout
-    measured = difference(run_dir_of(result.stdout), big_batch_run)
-    MEASURED.setdefault(f"test_ga_train_mirrored[{replicas} replicas, steps_per_execution="
-                        f"{steps_per_execution or 4} vs big batch]", []).append(measured)
+    measured = record(run_difference(run_dir_of(result.stdout), big_batch_run),
+                      f"test_ga_train_mirrored[{replicas} replicas, steps_per_execution="
+                      f"{steps_per_execution or 4} vs big batch]")
     assert measured <= 1e-6
 
 
@@ -105,8 +101,8 @@ def test_ga_train_multi_worker_matches_big_batch_and_only_the_chief_writes(tmp_p
     for name in ("tensorboard", "checkpoints", "model.keras", "result.json", "resolved.yaml"):
         assert os.path.exists(os.path.join(chief_dir, name)), name
         assert not os.path.exists(os.path.join(other_dir, name)), name
-    measured = difference(chief_dir, big_batch_run)
-    MEASURED.setdefault("test_ga_train_multi_worker (2 workers vs big batch)", []).append(measured)
+    measured = record(run_difference(chief_dir, big_batch_run),
+                      "test_ga_train_multi_worker (2 workers vs big batch)")
     assert measured <= 1e-6
 
 
@@ -119,8 +115,8 @@ def test_d2_one_all_reduce_per_window_in_bytes(tmp_path):
                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
-    ratio = measured["gacli"]["8"]["bytes"] / measured["gacli"]["1"]["bytes"]
-    MEASURED.setdefault("test_d2 bytes ratio k=8 / k=1", []).append(ratio)
+    ratio = record(measured["gacli"]["8"]["bytes"] / measured["gacli"]["1"]["bytes"],
+                   "test_d2 bytes ratio k=8 / k=1")
     assert ratio <= 0.25, measured
 
 
@@ -139,5 +135,4 @@ def test_library_multi_worker_fit_and_custom_loop_match_big_batch(tmp_path):
     chief, other = measured
     for case in ("fit-model-wrapper", "custom-loop"):
         assert chief[f"{case}-digest"] == other[f"{case}-digest"], case
-        MEASURED.setdefault(f"test_library_multi_worker[{case}]", []).append(chief[case])
-        assert chief[case] <= 1e-6, case
+        assert record(chief[case], f"test_library_multi_worker[{case}]") <= 1e-6, case

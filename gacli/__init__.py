@@ -25,6 +25,7 @@ _LAZY = {
     "wrap_model": "gacli.accumulate_model",
     "accumulation_callbacks": "gacli.accumulate_model",
     "adaptive_clip_gradients": "gacli.clipping",
+    "agc_unit_axes": "gacli.clipping",
     # gradient-accumulator's names, kept so its users' imports work unchanged.
     "adaptive_clip_grad": "gacli.clipping",
     "unitwise_norm": "gacli.clipping",

@@ -2,12 +2,11 @@
 max abs weight differences against single-device big-batch runs.
 
 A separate process because the CPU must be split into logical devices before TensorFlow
-initialises. Usage: python distributed_cases.py
+initialises. Usage: python tests/distributed_cases.py (its folder on sys.path finds ``helpers``).
 """
 
 import json
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -18,8 +17,8 @@ import tensorflow as tf  # noqa: E402
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import (  # noqa: E402
+from helpers import (  # noqa: E402
+    agc_big_batch_reference,
     big_batch_reference,
     epoch_windows,
     make_data,
@@ -41,19 +40,19 @@ OPTIMIZERS = {
     "sgd-agc": lambda: keras.optimizers.SGD(0.5),
 }
 EPOCHS = 2
+CLIP_FACTOR = 0.01
 
 
 def setting(optimizer, replicas, samples, micro, accum_steps):
     """Data, the single-device big-batch reference (windows of micro x replicas x k samples) and
     a MirroredStrategy over ``replicas`` logical CPUs."""
     x, y = make_data(samples)
-    window = micro * replicas * accum_steps
-    make_optimizer = OPTIMIZERS[optimizer]
+    windows = epoch_windows(samples, micro * replicas * accum_steps, EPOCHS)
     if "agc" in optimizer:
-        # AGC on one big batch: the accumulator with k=1, proven equal in test_api.
-        make_optimizer = lambda: gacli.GradientAccumulateOptimizer(  # noqa: E731
-            OPTIMIZERS[optimizer](), accum_steps=1, use_agc=True, clip_factor=0.01)
-    reference = big_batch_reference(make_optimizer, epoch_windows(samples, window, EPOCHS), x, y)
+        # AGC on the big batch's gradient, computed in NumPy: no gacli code in the reference.
+        reference = agc_big_batch_reference(OPTIMIZERS[optimizer], windows, x, y, CLIP_FACTOR)
+    else:
+        reference = big_batch_reference(OPTIMIZERS[optimizer], windows, x, y)
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
     return x, y, reference, strategy
 
@@ -66,14 +65,14 @@ def fit_case(wrapper, optimizer, replicas, samples, micro, accum_steps, steps_pe
             inputs, outputs = mlp_layers()
             model = gacli.GradientAccumulateModel(accum_steps=accum_steps, inputs=inputs,
                                                   outputs=outputs, use_agc="agc" in optimizer,
-                                                  clip_factor=0.01)
+                                                  clip_factor=CLIP_FACTOR)
             model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse",
                           steps_per_execution=steps_per_execution)
         else:
             model = plain_model()
             model.compile(optimizer=gacli.GradientAccumulateOptimizer(
                 OPTIMIZERS[optimizer](), accum_steps=accum_steps, use_agc="agc" in optimizer,
-                clip_factor=0.01), loss="mse")
+                clip_factor=CLIP_FACTOR), loss="mse")
     model.fit(x, y, batch_size=micro * replicas, epochs=EPOCHS, shuffle=False, verbose=0)
     return max_weight_difference(model, reference)
 

@@ -3,13 +3,12 @@
 Trains the library's two entry points on ragged data (70 samples, global micro-batches of 16, 16,
 16, 16, 6) and compares each with a big-batch run in this process, without a strategy; prints
 ``RESULTS {json}`` with the max abs weight differences and a digest of the final weights.
-Usage: TF_CONFIG=... python multiworker_cases.py
+Usage: TF_CONFIG=... python tests/multiworker_cases.py (its folder on sys.path finds ``helpers``).
 """
 
 import hashlib
 import json
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -17,8 +16,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import (  # noqa: E402
+from helpers import (  # noqa: E402
     big_batch_reference,
     epoch_windows,
     make_data,

@@ -6,7 +6,8 @@ import sys
 import keras
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
+    agc_big_batch_reference,
     big_batch_reference,
     epoch_windows,
     make_data,
@@ -80,15 +81,10 @@ def test_gradient_accumulator_arguments_are_accepted():
 
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
 def test_agc_acts_once_on_the_accumulated_gradient(wrapper):
-    """use_agc with k micro-batches equals AGC on the one big-batch gradient."""
+    """use_agc with k micro-batches equals AGC on the one big-batch gradient, clipped in NumPy."""
     x, y = make_data(128)
-
-    def big_batch_optimizer():
-        return gacli.GradientAccumulateOptimizer(
-            keras.optimizers.SGD(0.5), accum_steps=1, use_agc=True, clip_factor=0.01
-        )
-
-    reference = big_batch_reference(big_batch_optimizer, epoch_windows(128, 64, 2), x, y)
+    reference = agc_big_batch_reference(lambda: keras.optimizers.SGD(0.5),
+                                        epoch_windows(128, 64, 2), x, y, clip_factor=0.01)
     if wrapper == "model":
         inputs, outputs = mlp_layers()
         model = gacli.GradientAccumulateModel(

@@ -5,50 +5,15 @@ import json
 import os
 import subprocess
 import sys
-from importlib import resources
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.util.tensor_util import make_ndarray
+from helpers import event_tags, ga_train, run_dir_of, scalars, shipped
 
 TRAIN_TAGS = {
     "batch/effective_size", "batch/micro_size", "batch/accum_steps", "batch/replicas",
     "train/loss", "optimizer/lr", "optimizer/step", "optimizer/micro_step",
     "throughput/samples_per_sec", "memory/host_rss_bytes", "memory/host_peak_rss_bytes",
 }
-
-
-def ga_train(*arguments, cwd, timeout=600, env=None):
-    """Run the installed ga-train; returns (exit code, stdout + stderr)."""
-    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *arguments]
-    environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    environment.update(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                            env=environment)
-    return result.returncode, result.stdout + result.stderr
-
-
-def event_tags(run_dir):
-    files = glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))
-    assert len(files) == 1, files
-    events = EventAccumulator(files[0])
-    events.Reload()
-    return set(events.Tags()["tensors"]), events
-
-
-def scalars(events, tag):
-    return [float(make_ndarray(event.tensor_proto)) for event in events.Tensors(tag)]
-
-
-def run_dir_of(output):
-    lines = [line for line in output.splitlines() if line.startswith("run directory: ")]
-    assert len(lines) == 2 and lines[0] == lines[1], output  # printed first and last
-    return lines[0].split(": ", 1)[1]
-
-
-def shipped(package, group=None):
-    folder = resources.files(package) / group if group else resources.files(package)
-    return sorted(entry.name[:-5] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
 
 
 COMPOSE_CASES = (

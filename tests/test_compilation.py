@@ -2,14 +2,16 @@
 
 import keras
 import pytest
-from conftest import (
+from helpers import (
+    MICRO,
+    K,
+    accumulating_model,
     big_batch_reference,
     epoch_windows,
     make_data,
     max_weight_difference,
     mlp_layers,
 )
-from test_exactness import MICRO, K, accumulating_model
 
 import gacli
 

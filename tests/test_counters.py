@@ -2,8 +2,15 @@
 
 import keras
 import pytest
-from conftest import big_batch_reference, epoch_windows, make_data, max_weight_difference
-from test_exactness import MICRO, K, accumulating_model
+from helpers import (
+    MICRO,
+    K,
+    accumulating_model,
+    big_batch_reference,
+    epoch_windows,
+    make_data,
+    max_weight_difference,
+)
 
 PER_UPDATE_FEATURES = {
     # A fast decay: counting micro-steps instead of updates would shrink the LR 16x per window.

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import MEASURED
+from helpers import record
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -46,6 +46,5 @@ CASES = [
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES)
 def test_d1_d3_mirrored_matches_single_device_big_batch(distributed_results, case):
-    difference = distributed_results[case]
-    MEASURED.setdefault(f"test_d1_d3_mirrored[{case}]", []).append(difference)
+    difference = record(distributed_results[case], f"test_d1_d3_mirrored[{case}]")
     assert difference <= (1e-5 if "adam" in case else 1e-6)

@@ -4,37 +4,18 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import (
+from helpers import (
+    MICRO,
+    K,
+    accumulating_model,
     big_batch_reference,
     epoch_windows,
     make_data,
     max_weight_difference,
-    mlp_layers,
     plain_model,
 )
 
 import gacli
-
-MICRO, K = 16, 4
-
-
-def accumulating_model(make_optimizer, wrapper, accum_steps=K, seed=0, **accumulation):
-    """The same MLP trained by either wrapper: model-based or optimizer-based."""
-    if wrapper == "model":
-        inputs, outputs = mlp_layers(seed)
-        model = gacli.GradientAccumulateModel(
-            accum_steps=accum_steps, inputs=inputs, outputs=outputs, **accumulation
-        )
-        model.compile(optimizer=make_optimizer(), loss="mse")
-    else:
-        model = plain_model(seed)
-        model.compile(
-            optimizer=gacli.GradientAccumulateOptimizer(
-                make_optimizer(), accum_steps=accum_steps, **accumulation
-            ),
-            loss="mse",
-        )
-    return model
 
 
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])

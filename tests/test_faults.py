@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from test_cli import ga_train, run_dir_of
+from helpers import ga_train, run_dir_of
 
 
 def assert_refused(code, output, first_line, tmp_path):

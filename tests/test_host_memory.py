@@ -4,7 +4,7 @@ import ctypes
 
 import keras
 import pytest
-from conftest import make_data, mlp_layers
+from helpers import make_data, mlp_layers
 
 import gacli
 from gacli import host_memory

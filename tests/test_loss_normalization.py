@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from conftest import max_weight_difference
+from helpers import max_weight_difference
 
 import gacli
 

@@ -10,8 +10,15 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import FEATURES, big_batch_reference, make_data, max_weight_difference, mlp_layers
-from test_cli import ga_train, run_dir_of
+from helpers import (
+    FEATURES,
+    big_batch_reference,
+    ga_train,
+    make_data,
+    max_weight_difference,
+    mlp_layers,
+    run_dir_of,
+)
 
 import gacli
 from gacli.runstate import micro_batch_stream, pass_order

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import MEASURED, _current_test
+from helpers import MEASURED, current_test, record
 
 import gacli
 
@@ -59,7 +59,7 @@ def test_statistics_are_the_exact_pooled_moments_of_each_bn_input():
             np.max(np.abs(layer.moving_mean.numpy() - pooled.mean(0))),
             np.max(np.abs(layer.moving_variance.numpy() - pooled.var(0)) / pooled.var(0)),
         ]
-    MEASURED.setdefault(_current_test["id"] + " (mean, relative variance)", []).extend(differences)
+    MEASURED.setdefault(current_test["id"] + " (mean, relative variance)", []).extend(differences)
     assert max(differences) < 1e-5, differences
     # The data make the between-micro-batch term matter: the mean of the micro-batch variances
     # (weighted by size), which the older way of pooling gives, is well below.
@@ -95,8 +95,7 @@ def test_precise_bn_leaves_no_trace_on_training_and_validation_sees_it():
     precise, precise_history, callback = train(with_precise_bn=True)
     difference = max(float(np.max(np.abs(a - b)))
                      for a, b in zip(training_state(plain), training_state(precise)))
-    MEASURED.setdefault(_current_test["id"], []).append(difference)
-    assert difference == 0.0
+    assert record(difference) == 0.0
     assert plain_history["loss"] == precise_history["loss"]
     moved = [model.get_layer("bn_1").moving_mean.numpy() for model in (precise, plain)]
     assert np.max(np.abs(moved[0] - moved[1])) > 0.05

@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from conftest import big_batch_reference, make_data, max_weight_difference, mlp_layers, plain_model
+from helpers import big_batch_reference, make_data, max_weight_difference, mlp_layers, plain_model
 
 import gacli
 

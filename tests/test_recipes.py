@@ -10,7 +10,7 @@ import os
 from importlib import resources
 
 import pytest
-from test_cli import ga_train, run_dir_of, shipped
+from helpers import ga_train, run_dir_of, shipped
 
 # (the arguments after ga-train, the result.json key, the header's words for it, value, margin)
 PROMISES = [

@@ -9,27 +9,12 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
-from conftest import MEASURED
-from test_cli import ga_train, run_dir_of
+from helpers import ga_train, record, run_dir_of, run_difference
 
 # The default job, shortened; a checkpoint every 3 updates lands inside epochs (45 micro-batches,
 # 12 updates each), so a kill usually resumes from the middle of an epoch and of a window.
 JOB = ("epochs=3", "progress=plain", "checkpoint_every_updates=3", "accum_steps=4")
-
-
-def final_weights(run_dir):
-    import keras
-
-    import gacli.accumulate_model  # noqa: F401  (registers the classes model.keras refers to)
-
-    return keras.saving.load_model(os.path.join(run_dir, "model.keras")).get_weights()
-
-
-def difference(run_a, run_b):
-    return max(float(np.max(np.abs(a - b)))
-               for a, b in zip(final_weights(run_a), final_weights(run_b)))
 
 
 def start_and_interrupt(cwd, number, arguments=JOB):
@@ -73,8 +58,7 @@ def test_kill_9_then_resume_equals_uninterrupted_run(tmp_path, uninterrupted):
     # Nothing of the first start is overwritten: Hydra's files of the resumed job go aside.
     assert open(os.path.join(run_dir, ".hydra", "config.yaml")).read() == first_start
     assert glob.glob(os.path.join(run_dir, ".hydra", "resumed-*", "config.yaml"))
-    measured = difference(run_dir, uninterrupted)
-    MEASURED.setdefault("test_kill_9_then_resume", []).append(measured)
+    measured = record(run_difference(run_dir, uninterrupted), "test_kill_9_then_resume")
     assert measured <= 1e-6
 
 
@@ -89,8 +73,7 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, uninterrupt
 
     code, output = ga_train(*JOB, f"resume={run_dir}", cwd=tmp_path)
     assert code == 0, output
-    measured = difference(run_dir, uninterrupted)
-    MEASURED.setdefault("test_sigterm_then_resume", []).append(measured)
+    measured = record(run_difference(run_dir, uninterrupted), "test_sigterm_then_resume")
     assert measured <= 1e-6
 
     # Finished: a later run never writes into it, with or without resume.
@@ -237,8 +220,7 @@ def test_resume_goes_on_from_the_newest_intact_checkpoint(damage, interrupted_ru
                                       f"ckpt-{numbers[1]}.index"))
     assert "starting from the beginning" not in output, output
     assert "resume: from epoch" in output, output
-    measured = difference(run_dir, uninterrupted)
-    MEASURED.setdefault(f"test_resume_after_damage[{damage}]", []).append(measured)
+    measured = record(run_difference(run_dir, uninterrupted), f"test_resume_after_damage[{damage}]")
     assert measured <= 1e-6
 
 
@@ -277,6 +259,5 @@ def test_resume_true_passes_over_runs_with_nothing_to_resume(interrupted_run, tm
     code, output = ga_train(*JOB, "resume=true", cwd=tmp_path)
     assert code == 0, output
     assert run_dir_of(output) == resumable, output
-    measured = difference(resumable, uninterrupted)
-    MEASURED.setdefault("test_resume_true_passes_over", []).append(measured)
+    measured = record(run_difference(resumable, uninterrupted), "test_resume_true_passes_over")
     assert measured <= 1e-6

@@ -14,9 +14,8 @@ import time
 import keras
 import numpy as np
 import pytest
+from helpers import compose_config, event_tags, scalars
 from rich.console import Console
-from test_cli import event_tags, scalars
-from test_training import compose_config
 
 import gacli.train
 from gacli.run_logging import host_memory_bytes

@@ -8,8 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import make_data, max_weight_difference, plain_model
-from test_exactness import MICRO, K, accumulating_model
+from helpers import MICRO, K, accumulating_model, make_data, max_weight_difference, plain_model
 
 import gacli
 

@@ -7,18 +7,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from hydra import compose, initialize_config_module
-from test_cli import event_tags, scalars
+from helpers import compose_config, event_tags, scalars
 
-from gacli.config import ConfigError, register_configs
+from gacli.config import ConfigError
 from gacli.train import train
-
-
-def compose_config(*overrides):
-    register_configs()
-    with initialize_config_module("gacli.configs", version_base="1.3"):
-        quiet = [] if any(o.startswith("progress=") for o in overrides) else ["progress=none"]
-        return compose("train", overrides=[*quiet, *overrides])
 
 
 def run(tmp_path, *overrides):

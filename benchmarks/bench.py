@@ -18,6 +18,8 @@ Configurations, all on the same model, data pipeline, loss, metrics and SGD opti
 and two references outside the targets, to show where the time goes:
     A_spe            A with steps_per_execution=k: plain Keras with the same calls
     gacli_model_1    gacli_model with one micro-batch a call (Keras' default)
+    gacli_model_gns  gacli_model measuring the gradient noise scale (noise_scale=True): its
+                     paired ratio to gacli_model is the cost of ga-train's monitor.gns
 
 Writes results/<name>.md (medians, paired ratios, targets), results/<name>.json (every raw number)
 and results/<name>.png (paired ratio vs A per configuration).
@@ -49,11 +51,12 @@ CONFIGS = {
     "ga_train": "ga-train (CLI)",
     "A_spe": "A, steps_per_execution=k",
     "gacli_model_1": "gacli wrap_model, steps_per_execution=1",
+    "gacli_model_gns": "gacli wrap_model, noise_scale=True",
 }
 # The ways gacli is meant to be run: the targets are checked on these.
 GACLI_CONFIGS = ("gacli_model", "gacli_optimizer", "ga_train")
 # Configurations that run k micro-batches per compiled call.
-WINDOW_PER_CALL = ("A_spe", "gacli_model", "gacli_optimizer")
+WINDOW_PER_CALL = ("A_spe", "gacli_model", "gacli_optimizer", "gacli_model_gns")
 
 # Sizes of the full run; the window is counted in optimizer updates of k*b samples each.
 MODELS = {
@@ -201,8 +204,8 @@ def build_library_config(spec):
                                                       accum_steps=k)
     else:
         optimizer = keras.optimizers.SGD(LEARNING_RATE)
-    if name in ("gacli_model", "gacli_model_1"):
-        model = gacli.wrap_model(model, accum_steps=k)
+    if name in ("gacli_model", "gacli_model_1", "gacli_model_gns"):
+        model = gacli.wrap_model(model, accum_steps=k, noise_scale=name == "gacli_model_gns")
     model.compile(optimizer=optimizer, loss=loss, metrics=metrics, jit_compile=spec["jit"],
                   steps_per_execution=k if name in WINDOW_PER_CALL else 1)
     return model, data, batch_size
@@ -484,6 +487,13 @@ def evaluate_targets(runs, summary, models, jits, startup):
                 short = MODELS[model_key]["short"]
                 targets.append((f"{short}, jit on: every gacli config >= 0.9x A (jit)",
                                 f"lowest {worst} {ratios[worst]:.2f}x", ratios[worst] >= 0.9))
+    for model_key in models:
+        for jit in jits:
+            cost = _median(paired(runs, (model_key, jit), "gacli_model_gns", "gacli_model"))
+            if cost is not None:
+                targets.append((f"{MODELS[model_key]['short']}, jit {'on' if jit else 'off'}: "
+                                "noise_scale costs <= 2% (gacli_model_gns / gacli_model >= 0.98)",
+                                f"{cost:.3f}x", cost >= 0.98))
     for kind, command in STARTUP_COMMANDS.items():
         walls = [s["wall_s"] for s in startup if s["kind"] == kind]
         if walls:

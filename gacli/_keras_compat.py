@@ -49,9 +49,9 @@ def call_has_training_arg(model):
     return model._call_has_training_arg
 
 
-def sublayers(model):
-    """Every layer inside ``model``, nested ones included, not the model itself."""
-    return list(model._flatten_layers(include_self=False))
+def sublayers(model, include_self=False):
+    """Every layer inside ``model``, nested ones included (and the model, ``include_self``)."""
+    return list(model._flatten_layers(include_self=include_self))
 
 
 def batchnorm_reduction_axes(layer):

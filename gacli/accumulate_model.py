@@ -165,6 +165,11 @@ class AccumulationMixin(compat.KerasWorkarounds):
 
     def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
         optimizer = self._accumulating_optimizer_for(optimizer)
+        if optimizer.use_agc and optimizer.agc_unit_axes is None:
+            from gacli.clipping import agc_unit_axes
+
+            # Rank-3 kernels are told apart by their layer (a Conv1D from a multi-head one).
+            optimizer.agc_unit_axes = agc_unit_axes(self)
         # The accumulator is gacli's one loss-scaling path: Keras must not add its own.
         kwargs["auto_scale_loss"] = False
         if self.loss_normalization is LossNormalization.window_weights:

@@ -26,7 +26,7 @@ import tensorflow as tf
 from gacli import _keras_compat as compat
 from gacli.options import LossNormalization, NonFinite, PartialWindow, Reduction
 from gacli.settings import AccumulationConfig, shows_config_defaults, validate_accum_steps
-from gacli.window import LossScale, NonFiniteGuard, Window
+from gacli.window import LossScale, NoiseScale, NonFiniteGuard, Window
 
 __all__ = [
     "GradientAccumulateOptimizer", "NonFiniteError", "StopOnNonFinite",
@@ -47,6 +47,11 @@ _INNER_ONLY_ARGUMENTS = (
     "loss_scale_factor",
     "gradient_accumulation_steps",
 )
+
+
+def _summed(variable):
+    """A per-replica variable read in cross-replica context: its sum over replicas."""
+    return tf.cast(tf.convert_to_tensor(variable), "float32")
 
 
 def _in_distributed_replica_context():
@@ -142,6 +147,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         dtype: alias of ``accumulator_dtype`` kept for ``gradient-accumulator`` users.
         config: an :class:`~gacli.AccumulationConfig` (or its dict); arguments given beside it
             override its values.
+        agc_unit_axes: AGC's unit-norm axes by variable path, ``gacli.agc_unit_axes(model)``,
+            so that rank-3 kernels are read by their layer (the model wrappers pass it
+            themselves); without it, by their shape.
 
     Example:
         >>> optimizer = GradientAccumulateOptimizer(keras.optimizers.Adam(1e-3), accum_steps=4)
@@ -169,6 +177,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         name="GradientAccumulateOptimizer",
         dtype=None,
         config=None,
+        agc_unit_axes=None,
         **kwargs,
     ):
         if kwargs.get("agc") is not None and use_agc not in (None, kwargs["agc"]):
@@ -204,8 +213,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             if config.loss_scaling else None
         )
         self._guard = NonFiniteGuard(config.nonfinite) if config.nonfinite else None
+        self._noise = NoiseScale(config.noise_scale_decay) if config.noise_scale else None
         # Whether the end of the current fit() is the end of training (see fit_continues).
         self.fit_ends_training = True
+        # AGC's unit axes by variable path, from the model's layers (gacli.agc_unit_axes); None:
+        # read from each variable's rank. The model wrappers fill it in at compile.
+        self.agc_unit_axes = agc_unit_axes
         # Compiled flush/discard functions, by (kind, variables with gradients): a cache only.
         self._window_functions = {}
         self._constructed = True
@@ -281,6 +294,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self._guard.build(self._add_state)
         if self._loss_scale is not None:
             self._loss_scale.build(self._add_state)
+        if self._noise is not None:
+            self._noise.build(self._add_state)
         self.built = True
 
     # The parts' state variables (once built), under the names users and logs know them by.
@@ -399,10 +414,21 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             for gradient, variable in zip(grads, trainable_variables) if gradient is not None
         }
         keep = self._guard.keep(list(gradients.values())) if self._guard else None
-        self._window.add(gradients, factor, keep)
+        observe = self._noise is not None and self._weighs(sample_count)
+        squared = self._window.add(gradients, factor, keep, squared_norm=observe)
+        if squared is not None:
+            self._observe_noise(squared, sample_count, keep)
         kept = self._guard.record(keep) if self._guard else tf.constant(1.0)
         self._window.count(sample_count if self._weighs(sample_count) else None, kept)
         self._apply_window_if(self._window.closes(), tuple(sorted(gradients)), micro_step=True)
+
+    def _observe_noise(self, squared, sample_count, keep):
+        """Hand the noise scale |g|^2 of this micro-batch's mean-loss gradient. ``squared`` is
+        that of what the window added: the gradient of the micro-batch's summed loss, unscaled
+        (the mean's times the sample count), however the caller wrote the loss."""
+        to_mean = 1.0 / tf.cast(sample_count, "float32")
+        self._noise.observe(squared * tf.square(to_mean), sample_count,
+                            tf.constant(True) if keep is None else keep)
 
     def _weighs(self, sample_count):
         return sample_count is not None and self.reduction is Reduction.mean
@@ -485,7 +511,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self.use_agc:
             from gacli.clipping import adaptive_clip_gradients
 
-            grads = adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
+            grads = adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps,
+                                            unit_axes=self.agc_unit_axes)
         return grads, variables
 
     def _apply_in_replicas(self, in_each_replica, indices, replicas):
@@ -495,6 +522,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         replicas and clipping, the window's gradient is reduced and clipped here, in
         cross-replica context, and handed to every replica."""
         denominator = self._window.denominator(replicas)
+        if self._noise is not None:
+            # |G_B|^2 of the whole window: under several replicas, reading the accumulators here
+            # sums them, one all-reduce more per window.
+            squared = tf.add_n([
+                tf.reduce_sum(tf.square(_summed(self._window.accumulators[index])))
+                for index in indices
+            ]) / tf.square(denominator)
+            self._noise.update(squared, _summed(self._window.window_weight),
+                               _summed(self._window.window_unweighted))
         if replicas == 1 or not self._clips():
             in_each_replica(self._apply_window, indices, denominator)
             return
@@ -533,6 +569,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._window.reset()
         if self._guard is not None:
             self._guard.reset()
+        if self._noise is not None:
+            self._noise.reset()
 
     # -- windows that are not full ----------------------------------------------------------------
     def _run_window_function(self, kind):
@@ -595,6 +633,18 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self.flush()
         elif action == "drop":
             self.discard_window()
+
+    def noise_scale(self):
+        """The gradient noise scale measured so far (``noise_scale=True``), as Python floats:
+        ``noise_scale`` (B_simple, smoothed), ``grad_sq`` (|G|^2), ``trace_cov`` (tr Sigma),
+        the last window's raw ``grad_sq_raw`` and ``trace_raw``, and ``windows`` measured."""
+        if self._noise is None or not self.built:
+            return None
+        grad_sq, trace, scale = (float(v) for v in self._noise.estimates())
+        return {"noise_scale": scale, "grad_sq": grad_sq, "trace_cov": trace,
+                "grad_sq_raw": float(self._noise.grad_sq_raw.numpy()),
+                "trace_raw": float(self._noise.trace_raw.numpy()),
+                "windows": int(self._noise.windows.numpy())}
 
     def halted_micro_step(self):
         """0 while training is healthy; under ``nonfinite="stop"``, the micro_step (counted from

@@ -27,6 +27,8 @@ keep that.
 import keras
 import tensorflow as tf
 
+from gacli import _keras_compat as compat
+
 # Axes of the per-unit norm by rank, as NFNets define them (rank 3: multi-head linear [in, heads,
 # dim]). Ranks 0 and 1 are one unit.
 _NFNETS_AXES = {2: (0,), 3: (0,), 4: (0, 1, 2), 5: (0, 1, 2, 3)}
@@ -216,7 +218,7 @@ def agc_unit_axes(model):
     table = {path: _unit_axes(variable, by_path) for path, variable in by_path.items()}
     # Layer.trainable_weights holds a layer's own weights and its sublayers': the walk needs every
     # layer (Keras has no public recursive listing; gacli.batchnorm walks models the same way).
-    for layer in model._flatten_layers(include_self=True):
+    for layer in compat.sublayers(model, include_self=True):
         if isinstance(layer, _CONVOLUTIONS_1D):
             kernels = [getattr(layer, name, None)
                        for name in ("kernel", "depthwise_kernel", "pointwise_kernel")]

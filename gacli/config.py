@@ -22,7 +22,7 @@ from gacli.options import BatchNormPolicy, NonFinite, PartialWindow
 
 
 # Keys a resumed run may change: they change neither the updates nor the order of the data.
-FREE_ON_RESUME = ("resume", "progress", "output_dir", "steps_per_execution")
+FREE_ON_RESUME = ("resume", "progress", "output_dir", "steps_per_execution", "monitor")
 
 
 class Wrapper(str, enum.Enum):
@@ -143,6 +143,13 @@ class StrategyConfig:
 
 
 @dataclass
+class MonitorConfig:
+    # The gradient noise scale from the micro-batches: TensorBoard's gns/ tags and a line in the
+    # run's summary that compares it with the effective batch.
+    gns: bool = True
+
+
+@dataclass
 class TrainConfig:
     config: str = "default"  # the recipe or YAML file this run was composed from
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -150,6 +157,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     micro_batch_size: Optional[int] = None  # samples per forward/backward pass, per replica
     accum_steps: Optional[int] = None  # micro-batches per optimizer update
     effective_batch_size: Optional[int] = None  # micro x accum x replicas

@@ -152,6 +152,11 @@ class TensorBoardLogger(keras.callbacks.Callback):
                 values.append(_scalar_value(f"precision/{name}", number))
             elif not name.startswith("val_"):
                 values.append(_scalar_value(f"train/{name}", number))
+        noise = self.accumulator.noise_scale()
+        if noise is not None and noise["windows"]:
+            values += [_scalar_value("gns/noise_scale", noise["noise_scale"]),
+                       _scalar_value("gns/grad_sq", noise["grad_sq"]),
+                       _scalar_value("gns/trace_cov", noise["trace_cov"])]
         values += [
             _scalar_value("optimizer/lr", _number(self.accumulator.learning_rate)),
             _scalar_value("optimizer/step", step),

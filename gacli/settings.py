@@ -59,6 +59,9 @@ class AccumulationConfig:
             otherwise unchecked.
         loss_normalization: ``"batch"`` or ``"window_weights"`` (model wrappers only): what the
             window's loss is divided by.
+        noise_scale: measure the gradient noise scale from the micro-batches
+            (:class:`gacli.window.NoiseScale`): one squared norm per micro-batch.
+        noise_scale_decay: the decay of its moving averages, in windows.
     """
 
     accum_steps: int = 1
@@ -73,6 +76,8 @@ class AccumulationConfig:
     dynamic_growth_steps: int = 2000
     nonfinite: NonFinite | None = None
     loss_normalization: LossNormalization = LossNormalization.batch
+    noise_scale: bool = False
+    noise_scale_decay: float = 0.95
 
     def __post_init__(self):
         def set_(name, value):
@@ -104,6 +109,18 @@ class AccumulationConfig:
                 "accumulator_dtype='float32' (the default)."
             )
         set_("accumulator_dtype", dtype)
+        set_("noise_scale", bool(self.noise_scale))
+        decay = self.noise_scale_decay
+        if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 <= decay < 1:
+            raise ValueError(
+                f"noise_scale_decay={decay!r} must be in [0, 1), e.g. noise_scale_decay=0.95."
+            )
+        set_("noise_scale_decay", float(decay))
+        if self.noise_scale and self.reduction is Reduction.sum:
+            raise ValueError(
+                "noise_scale compares mean gradients of two batch sizes; reduction='sum' gives "
+                "none. Use reduction='mean' (the default) with noise_scale=True."
+            )
         if self.reduction is Reduction.sum and (
             self.loss_normalization is not LossNormalization.batch
         ):

@@ -284,7 +284,7 @@ def accumulation_config(cfg, plan):
     return AccumulationConfig(
         accum_steps=plan.accum_steps, partial_window=cfg.partial_window,
         use_agc=cfg.optimizer.use_agc, clip_factor=cfg.optimizer.clip_factor,
-        nonfinite=_nonfinite_policy(cfg.precision),
+        nonfinite=_nonfinite_policy(cfg.precision), noise_scale=cfg.monitor.gns,
     )
 
 
@@ -340,7 +340,11 @@ def build_job(cfg, plan, data, schedule, strategy):
             model = wrap_model(model, config=settings)
             optimizer = inner
         else:
-            optimizer = GradientAccumulateOptimizer(inner, config=settings)
+            from gacli.clipping import agc_unit_axes
+
+            optimizer = GradientAccumulateOptimizer(
+                inner, config=settings,
+                agc_unit_axes=agc_unit_axes(model) if settings.use_agc else None)
         model.compile(optimizer=optimizer, loss=loss, metrics=metrics,
                       jit_compile=cfg.jit_compile, auto_scale_loss=False,
                       steps_per_execution=schedule.steps_per_execution)
@@ -470,18 +474,43 @@ def save_results(cfg, plan, job, history, run_dir, chief, console):
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     updates, micro_steps = int(accumulator.optimizer_step.numpy()), int(
         accumulator.micro_step.numpy())
+    noise = accumulator.noise_scale()
     if chief:
         result = dict(final, optimizer_step=updates, micro_step=micro_steps,
+                      gradient_noise_scale=(noise or {}).get("noise_scale") or None,
                       effective_batch_size=plan.effective_batch_size, weights_sha256=fingerprint,
                       host_peak_rss_bytes=host_memory_bytes()[1])
         write_json(os.path.join(run_dir, RESULT_FILE), result)
     rows = {key: f"{value:.4f}" for key, value in final.items()}
     rows["updates / micro-batches"] = f"{updates} / {micro_steps}"
     rows["effective batch"] = plan.effective_batch_size
+    if noise is not None:
+        rows["noise scale"] = noise_scale_verdict(plan.effective_batch_size, noise)
     rows["weights sha256"] = fingerprint
     summary_table(console, rows)
     console.print(f"run directory: {run_dir}", soft_wrap=True)
     return final
+
+
+def noise_scale_verdict(effective_batch, noise):
+    """One line that compares the effective batch with the measured gradient noise scale."""
+    if not noise["windows"]:
+        return ("not measured: it needs windows of more than one micro-batch (accum_steps > 1 "
+                "or several replicas) and the model wrapper")
+    scale = noise["noise_scale"]
+    if scale <= 0:
+        return (f"not yet reliable after {noise['windows']} windows (the gradient's size is "
+                "lost in its noise); train longer for an estimate")
+    measured = f"~{scale:,.0f} (over {noise['windows']} windows)"
+    if effective_batch < scale / 2:
+        return (f"{measured}: effective batch {effective_batch} is well below it, so a larger "
+                "effective batch would still pay off (fewer updates for the same progress)")
+    if effective_batch > 2 * scale:
+        return (f"{measured}: effective batch {effective_batch} is well above it, so most of "
+                "each update's samples are spent for little; a smaller effective batch (more "
+                "updates) would train faster per sample")
+    return (f"{measured}: effective batch {effective_batch} is close to it, near the point of "
+            "diminishing returns")
 
 
 def _where_nonfinite(micro_step, cfg, data, plan, schedule, state, run_dir):

@@ -56,11 +56,13 @@ class Window:
             for index, variable in enumerate(variables)
         ]
 
-    def add(self, gradients, factor, keep):
+    def add(self, gradients, factor, keep, squared_norm=False):
         """Add one micro-batch. ``gradients``: {variable index: gradient}; ``factor``: what each
         gradient is multiplied by first (None: 1); ``keep``: a boolean tensor, False to leave the
-        micro-batch out (None: always keep)."""
+        micro-batch out (None: always keep). With ``squared_norm``, returns the squared norm of
+        what was added (before ``keep``), taken from the same products."""
         mask = [0] * len(self.accumulators)
+        squares = []
         for index, gradient in gradients.items():
             mask[index] = 1
             accumulator = self.accumulators[index]
@@ -68,11 +70,14 @@ class Window:
             contribution = tf.cast(tf.convert_to_tensor(gradient), accumulator.dtype)
             if factor is not None:
                 contribution = contribution * tf.cast(factor, accumulator.dtype)
+            if squared_norm:
+                squares.append(tf.reduce_sum(tf.square(tf.cast(contribution, "float32"))))
             if keep is not None:
                 # where, not multiplication: 0 * inf is nan.
                 contribution = tf.where(keep, contribution, tf.zeros_like(contribution))
             accumulator.assign_add(contribution)
         self.gradient_mask.assign(tf.constant(mask, "int32"))
+        return tf.add_n(squares) if squared_norm and squares else None
 
     def count(self, sample_count, kept):
         """Count one micro-batch: its samples (None: unweighted), times ``kept`` (1 or 0)."""
@@ -220,3 +225,85 @@ class NonFiniteGuard:
 
     def reset(self):
         self.window_nonfinite.assign(0.0)
+
+
+class NoiseScale:
+    """The gradient noise scale, measured from the micro-batches at the cost of one squared norm
+    per micro-batch (McCandlish, Kaplan, Amodei et al., "An Empirical Model of Large-Batch
+    Training", 2018, appendix A).
+
+    A batch of ``b`` samples drawn from the data has ``E|g_b|^2 = |G|^2 + tr(Sigma) / b``. Each
+    window gives that at two sizes: every micro-batch on every replica (``b_i`` samples, its
+    own count, so ragged ones are exact) and the whole window (``B`` samples over all
+    replicas). With ``m`` the mean of ``|g_i|^2`` and ``h`` the mean of ``1 / b_i``:
+
+        tr(Sigma) = (m - |G_B|^2) / (h - 1/B),   |G|^2 = (|G_B|^2 h - m / B) / (h - 1/B)
+
+    (with equal micro-batches, the paper's two formulas). ``B_simple = tr(Sigma) / |G|^2`` is
+    the batch size beyond which larger batches pay off less and less. Each window's raw estimates
+    are kept in ``gns_grad_sq_raw`` / ``gns_trace_raw``; exponential moving averages of both
+    (``decay``, bias-corrected) and their ratio ``noise_scale()`` smooth them, as the paper does.
+    Micro-batches without a sample count, or a window holding any, give no estimate.
+    """
+
+    def __init__(self, decay):
+        self.decay = decay
+
+    def build(self, add_state):
+        # Per replica: sums over this replica's micro-batches of the window.
+        self.small_sq = add_state("gns_small_sq", per_replica=True)
+        self.small_count = add_state("gns_small_count", per_replica=True)
+        self.small_inverse = add_state("gns_small_inverse_size", per_replica=True)
+        # Set in cross-replica context, once a window.
+        self.grad_sq_raw = add_state("gns_grad_sq_raw")
+        self.trace_raw = add_state("gns_trace_raw")
+        self.grad_sq_average = add_state("gns_grad_sq")
+        self.trace_average = add_state("gns_trace_cov")
+        self.average_weight = add_state("gns_average_weight")
+        self.windows = add_state("gns_windows", dtype="int64")
+
+    def observe(self, squared_norm, sample_count, kept):
+        """One micro-batch on this replica: ``squared_norm`` is ``|g_i|^2`` of its mean-loss
+        gradient, ``kept`` a boolean tensor (False: left out)."""
+        count = tf.cast(sample_count, "float32")
+        kept = tf.logical_and(kept, count > 0)
+        self.small_sq.assign_add(tf.where(kept, squared_norm, 0.0))
+        self.small_count.assign_add(tf.where(kept, 1.0, 0.0))
+        self.small_inverse.assign_add(tf.where(kept, 1.0 / tf.maximum(count, 1.0), 0.0))
+
+    def update(self, big_squared_norm, big_count, unweighted):
+        """In cross-replica context, as a window is applied: ``big_squared_norm`` is
+        ``|G_B|^2`` of its gradient, ``big_count`` its samples over all replicas, ``unweighted``
+        the micro-batches in it that gave no count."""
+        count = _value(self.small_count)
+        mean_sq = _value(self.small_sq) / tf.maximum(count, 1.0)
+        mean_inverse = _value(self.small_inverse) / tf.maximum(count, 1.0)
+        spread = mean_inverse - 1.0 / tf.maximum(big_count, 1.0)
+        # Two sizes are needed: a window of one micro-batch on one replica says nothing.
+        valid = (count > 0) & (big_count > 0) & (unweighted == 0) & (spread > 1e-9 * mean_inverse)
+        spread = tf.where(valid, spread, 1.0)
+        trace = (mean_sq - big_squared_norm) / spread
+        grad_sq = (big_squared_norm * mean_inverse - mean_sq / tf.maximum(big_count, 1.0)) / spread
+        decay = self.decay
+
+        def moved(average, value):
+            return tf.where(valid, decay * average + (1.0 - decay) * value, average)
+
+        self.grad_sq_raw.assign(tf.where(valid, grad_sq, self.grad_sq_raw))
+        self.trace_raw.assign(tf.where(valid, trace, self.trace_raw))
+        self.grad_sq_average.assign(moved(self.grad_sq_average, grad_sq))
+        self.trace_average.assign(moved(self.trace_average, trace))
+        self.average_weight.assign(moved(self.average_weight, 1.0))
+        self.windows.assign_add(tf.cast(valid, "int64"))
+
+    def estimates(self):
+        """(|G|^2, tr(Sigma), B_simple), smoothed; zeros before the first estimate."""
+        weight = tf.maximum(_value(self.average_weight), 1e-12)
+        grad_sq = _value(self.grad_sq_average) / weight
+        trace = _value(self.trace_average) / weight
+        return grad_sq, trace, tf.math.divide_no_nan(trace, grad_sq)
+
+    def reset(self):
+        self.small_sq.assign(0.0)
+        self.small_count.assign(0.0)
+        self.small_inverse.assign(0.0)

@@ -7,6 +7,7 @@ initialises. Usage: python tests/distributed_cases.py (its folder on sys.path fi
 
 import json
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -24,6 +25,8 @@ from helpers import (  # noqa: E402
     make_data,
     max_weight_difference,
     mlp_layers,
+    noise_scale_errors,
+    noise_scale_run,
     plain_model,
 )
 
@@ -157,37 +160,54 @@ def restored_case(optimizer, replicas=2):
     return max_weight_difference(restored, reference)
 
 
-def main():
-    only = sys.argv[1] if len(sys.argv) > 1 else ""
-    if only:
-        # One family of cases, while working on it: python distributed_cases.py restored
-        print("RESULTS " + json.dumps({
-            f"optimizer-2replicas-restored-{name}": restored_case(name)
-            for name in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm")
-            if only in "optimizer-2replicas-restored-" + name
-        }))
-        return
-    results = {}
+def noise_scale_case(accum_steps):
+    """The largest relative error of the noise scale's parts under 2 replicas (each replica's
+    micro-batch is a small batch, the window over both replicas the big one)."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    return max(noise_scale_errors(noise_scale_run(1.5, strategy=strategy,
+                                                  accum_steps=accum_steps)))
+
+
+def cases():
+    """{case name: a function that measures it}."""
+    found = {}
     for optimizer in ("momentum", "adam"):
         # 70 samples: global micro-batches of 32, 32, 6 (3 per replica); windows of 64 and 6.
-        results[f"model-2replicas-ragged-{optimizer}"] = fit_case("model", optimizer, 2, 70, 16, 2)
-        results[f"model-1replica-ragged-{optimizer}"] = fit_case("model", optimizer, 1, 70, 16, 4)
+        found[f"model-2replicas-ragged-{optimizer}"] = (fit_case, "model", optimizer, 2, 70, 16, 2)
+        found[f"model-1replica-ragged-{optimizer}"] = (fit_case, "model", optimizer, 1, 70, 16, 4)
         # A plain model's fit() weighs micro-batches equally: full windows only.
-        results[f"optimizer-2replicas-{optimizer}"] = fit_case("optimizer", optimizer, 2, 128,
-                                                               16, 2)
+        found[f"optimizer-2replicas-{optimizer}"] = (fit_case, "optimizer", optimizer, 2, 128,
+                                                     16, 2)
         for style in ("local-mean", "keras-loss", "compute-average-loss"):
-            results[f"custom-loop-{style}-2replicas-ragged-{optimizer}"] = custom_loop_case(
-                optimizer, 2, 70, 16, 2, style)
+            found[f"custom-loop-{style}-2replicas-ragged-{optimizer}"] = (
+                custom_loop_case, optimizer, 2, 70, 16, 2, style)
         # Several micro-batches a compiled call (gacli's own loop under several replicas): 3 does
         # not divide the epoch's 5 micro-batches, and windows of 2 straddle the calls.
-        results[f"model-2replicas-ragged-steps_per_execution-{optimizer}"] = fit_case(
-            "model", optimizer, 2, 150, 16, 2, steps_per_execution=3)
+        found[f"model-2replicas-ragged-steps_per_execution-{optimizer}"] = (
+            fit_case, "model", optimizer, 2, 150, 16, 2, 3)
     for optimizer in ("momentum-global-clipnorm", "momentum-clipvalue", "sgd-agc"):
-        results[f"model-2replicas-ragged-{optimizer}"] = fit_case("model", optimizer, 2, 70, 16, 2)
-        results[f"optimizer-2replicas-{optimizer}"] = fit_case("optimizer", optimizer, 2, 128,
-                                                               16, 2)
+        found[f"model-2replicas-ragged-{optimizer}"] = (fit_case, "model", optimizer, 2, 70, 16, 2)
+        found[f"optimizer-2replicas-{optimizer}"] = (fit_case, "optimizer", optimizer, 2, 128,
+                                                     16, 2)
     for optimizer in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm"):
-        results[f"optimizer-2replicas-restored-{optimizer}"] = restored_case(optimizer)
+        found[f"optimizer-2replicas-restored-{optimizer}"] = (restored_case, optimizer)
+    for accum_steps in (1, 4):
+        found[f"noise-scale-2replicas-k{accum_steps}"] = (noise_scale_case, accum_steps)
+    return found
+
+
+# Run in a process of their own: their model differs from the MLP of the others, and a second
+# MirroredStrategy in one process can reuse the first's collective instance keys, which fails on
+# tensors of another shape (TensorFlow's collectives, not gacli's).
+SEPARATE = "noise-scale"
+
+
+def main():
+    """All cases but the SEPARATE ones, or those whose name holds the first argument:
+    python tests/distributed_cases.py restored"""
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
+    results = {name: case[0](*case[1:]) for name, case in cases().items()
+               if (only in name if only else SEPARATE not in name)}
     print("RESULTS " + json.dumps(results))
 
 

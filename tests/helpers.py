@@ -234,3 +234,66 @@ def final_weights(run_dir):
 def run_difference(run_a, run_b):
     """Largest absolute difference between two finished runs' final weights."""
     return weights_difference(final_weights(run_a), final_weights(run_b))
+
+
+# -- the gradient noise scale against every example's gradient (test_noise_scale.py) ----------
+GNS_FEATURES, GNS_CLASSES = 8, 3
+# 4090 samples, micro-batches of 16 (per replica), windows of 4: the last micro-batch holds 10
+# samples and the last window 3 micro-batches, so ragged windows are part of every epoch.
+GNS_SAMPLES, MICRO_GNS, K_GNS = 4090, 16, 4
+
+
+def noise_scale_data(label_noise):
+    """A softmax-regression problem whose labels are noisier as ``label_noise`` grows."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(GNS_SAMPLES, GNS_FEATURES)).astype("float32")
+    scores = x @ rng.normal(size=(GNS_FEATURES, GNS_CLASSES))
+    y = (scores + label_noise * rng.normal(size=scores.shape)).argmax(axis=1)
+    return x, y
+
+
+def noise_scale_direct(model, x, y):
+    """(|G|^2, tr(Sigma)) over the whole data set, from every example's gradient."""
+    kernel, bias = (variable.numpy() for variable in model.trainable_variables)
+    logits = x @ kernel + bias
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1.0  # d loss / d logits, per example
+    per_example = np.concatenate([(x[:, :, None] * p[:, None, :]).reshape(len(y), -1), p], 1)
+    mean = per_example.mean(axis=0)
+    return float((mean**2).sum()), float(((per_example - mean) ** 2).sum(axis=1).mean())
+
+
+def noise_scale_run(label_noise, epochs=4, strategy=None, accum_steps=K_GNS):
+    """Train at learning rate 0 (fixed weights) with noise_scale=True under ``strategy``:
+    (the direct (|G|^2, tr Sigma), the engine's raw estimates per window, its summary)."""
+    x, y = noise_scale_data(label_noise)
+    keras.utils.set_random_seed(0)
+    with (strategy or tf.distribute.get_strategy()).scope():
+        inputs = keras.Input((GNS_FEATURES,))
+        model = gacli.GradientAccumulateModel(accum_steps=accum_steps, noise_scale=True,
+                                              inputs=inputs,
+                                              outputs=keras.layers.Dense(GNS_CLASSES)(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    windows = []
+
+    class EveryWindow(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            optimizer = self.model.optimizer
+            if int(optimizer.window_micro_steps.numpy()) == 0:
+                summary = optimizer.noise_scale()
+                windows.append((summary["grad_sq_raw"], summary["trace_raw"]))
+
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    model.fit(x, y, batch_size=MICRO_GNS * replicas, epochs=epochs, verbose=0,
+              callbacks=[EveryWindow()])
+    return noise_scale_direct(model, x, y), np.array(windows), model.optimizer.noise_scale()
+
+
+def noise_scale_errors(run):
+    """Relative errors of the engine's |G|^2, tr(Sigma) and B_simple, averaged over windows."""
+    (grad_sq, trace), windows, _ = run
+    estimated_grad_sq, estimated_trace = windows.mean(axis=0)
+    return (abs(estimated_grad_sq / grad_sq - 1), abs(estimated_trace / trace - 1),
+            abs((estimated_trace / estimated_grad_sq) / (trace / grad_sq) - 1))

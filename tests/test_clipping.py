@@ -153,18 +153,23 @@ def rank3_layers_model(seed=0):
     inputs = keras.Input((5, 4))
     h = keras.layers.Conv1D(6, 3, padding="same", name="conv")(inputs)
     h = keras.layers.Conv1D(4, 2, padding="same", use_bias=False, name="conv_no_bias")(h)
-    h = keras.layers.EinsumDense("abc,cde->abde", output_shape=(5, 2, 3), bias_axes="de",
-                                 name="heads")(h)
-    outputs = keras.layers.Dense(1, name="head")(keras.layers.Flatten()(h))
+    heads = keras.layers.EinsumDense("abc,cde->abde", output_shape=(5, 2, 3), bias_axes="de",
+                                     name="heads")(h)
+    # Without a bias, only its layer tells this kernel [in, heads, dim] from a Conv1D's.
+    bare = keras.layers.EinsumDense("abc,cde->abde", output_shape=(5, 2, 3),
+                                    name="heads_no_bias")(h)
+    both = keras.layers.Concatenate()([keras.layers.Flatten()(heads),
+                                       keras.layers.Flatten()(bare)])
+    outputs = keras.layers.Dense(1, name="head")(both)
     return keras.Model(inputs, outputs)
 
 
 # rank3_layers_model's units (rank 1: the whole tensor).
 CHOSEN_AXES = {"conv/kernel": (0, 1), "conv_no_bias/kernel": (0, 1), "heads/kernel": (0,),
-               "heads/bias": (0,), "head/kernel": (0,)}
+               "heads/bias": (0,), "heads_no_bias/kernel": (0,), "head/kernel": (0,)}
 # The other reading of each rank-3 kernel, which a test shows gacli does not take.
 OTHER_AXES = {**CHOSEN_AXES, "conv/kernel": (0,), "conv_no_bias/kernel": (0,),
-              "heads/kernel": (0, 1)}
+              "heads/kernel": (0, 1), "heads_no_bias/kernel": (0, 1)}
 
 
 def reference_axes(variable, table=CHOSEN_AXES):
@@ -202,9 +207,11 @@ def test_use_agc_wrappers_clip_rank_3_kernels_by_layer(wrapper):
         model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
     else:
         model = base
+        # A plain model's optimizer learns the layers from the model's table.
         model.compile(optimizer=gacli.GradientAccumulateOptimizer(
             keras.optimizers.SGD(learning_rate), accum_steps=2, use_agc=True,
-            clip_factor=CLIP_FACTOR, eps=EPS), loss="mse")
+            clip_factor=CLIP_FACTOR, eps=EPS, agc_unit_axes=gacli.agc_unit_axes(base)),
+            loss="mse")
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     differences = [
         float(np.max(np.abs(variable.numpy() - expected[variable.path])))
@@ -212,6 +219,6 @@ def test_use_agc_wrappers_clip_rank_3_kernels_by_layer(wrapper):
     ]
     assert record(max(differences), f"use_agc_rank3[{wrapper}]") <= 1e-6
     # The other rank-3 reading would move these kernels differently, by far more than 1e-6.
-    for path in ("conv/kernel", "conv_no_bias/kernel", "heads/kernel"):
+    for path in ("conv/kernel", "conv_no_bias/kernel", "heads/kernel", "heads_no_bias/kernel"):
         (variable,) = [v for v in model.trainable_variables if v.path == path]
         assert float(np.max(np.abs(variable.numpy() - other[path]))) > 1e-4, path

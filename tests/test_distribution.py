@@ -14,13 +14,22 @@ from helpers import record
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(scope="module")
-def distributed_results():
-    result = subprocess.run([sys.executable, os.path.join(HERE, "distributed_cases.py")],
-                            capture_output=True, text=True, timeout=900)
+def _run_cases(*selection):
+    result = subprocess.run([sys.executable, os.path.join(HERE, "distributed_cases.py"),
+                             *selection], capture_output=True, text=True, timeout=900)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
     assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(lines[0][len("RESULTS "):])
+
+
+@pytest.fixture(scope="module")
+def distributed_results():
+    return _run_cases()
+
+
+@pytest.fixture(scope="module")
+def noise_scale_results():
+    return _run_cases("noise-scale")
 
 
 CASES = [
@@ -40,6 +49,18 @@ CASES = [
     f"optimizer-2replicas-restored-{optimizer}"
     for optimizer in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm")
 ]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["noise-scale-2replicas-k1", "noise-scale-2replicas-k4"])
+def test_noise_scale_under_two_replicas_agrees_with_per_example_gradients(noise_scale_results,
+                                                                          case):
+    """Each replica's micro-batch is a small batch, the window over both replicas the big one:
+    |G|^2, tr(Sigma) and B_simple within 5% of the direct calculation (test_noise_scale.py)."""
+    error = noise_scale_results[case]
+    record(error, f"noise scale {case}, largest relative error")
+    assert error <= 0.05
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional, functional_from_config
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from gacli._keras_versions import autoconvert_optionals, functional_config  # version:
 from gacli.accumulation import (
     GradientAccumulateOptimizer,
     StopOnNonFinite,
@@ -277,7 +278,8 @@ class AccumulationMixin:
         # the first local replica's batch builds the model just as well, under any strategy.
         if self._distribute_strategy is None or iterator is None:
             return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-        for _, _, batches in iterator:
+        # version: Keras <= 3.10 yields (step, batches), later (begin_step, end_step, batches).
+        for *_, batches in iterator:
             batch = next(batches)
             data_batch = tf.nest.map_structure(
                 lambda value: self._distribute_strategy.experimental_local_results(value)[0]
@@ -305,8 +307,8 @@ class AccumulationMixin:
             outputs = strategy.run(step_function, args=(data,))
             return reduce_per_replica(outputs, strategy, reduction="auto")
 
-        one_step = self._autoconvert_optionals(
-            tf.function(one_step, reduce_retracing=True, jit_compile=self.jit_compile)
+        one_step = autoconvert_optionals(  # version: Keras <= 3.11 (_keras_versions)
+            self, tf.function(one_step, reduce_retracing=True, jit_compile=self.jit_compile)
         )
 
         @tf.function(reduce_retracing=True)
@@ -412,7 +414,7 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
 
     def get_config(self):
         if isinstance(self, Functional):
-            config = Functional.get_config(self)
+            config = functional_config(self)  # version: Keras <= 3.14 (_keras_versions)
         else:
             config = {"name": self.name, "trainable": self.trainable}
         config.update(self._accumulation_config())

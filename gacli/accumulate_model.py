@@ -278,8 +278,7 @@ class AccumulationMixin:
         # the first local replica's batch builds the model just as well, under any strategy.
         if self._distribute_strategy is None or iterator is None:
             return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-        # version: Keras <= 3.10 yields (step, batches), later (begin_step, end_step, batches).
-        for *_, batches in iterator:
+        for _, _, batches in iterator:
             batch = next(batches)
             data_batch = tf.nest.map_structure(
                 lambda value: self._distribute_strategy.experimental_local_results(value)[0]

@@ -13,6 +13,9 @@ from test_exactness import MICRO, K, accumulating_model
 
 import gacli
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
 @pytest.mark.parametrize(

@@ -5,6 +5,9 @@ import pytest
 from conftest import big_batch_reference, epoch_windows, make_data, max_weight_difference
 from test_exactness import MICRO, K, accumulating_model
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 PER_UPDATE_FEATURES = {
     # A fast decay: counting micro-steps instead of updates would shrink the LR 16x per window.
     "lr_schedule": lambda: keras.optimizers.SGD(

@@ -15,6 +15,9 @@ from conftest import (
 
 import gacli
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 MICRO, K = 16, 4
 
 

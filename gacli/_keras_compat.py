@@ -7,15 +7,24 @@ internals, this is the one file to change.
 """
 
 import contextlib
+import threading
 
 import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.models import functional
 from keras.src.models.functional import Functional, functional_from_config
 
+# Supported: Keras 3.11 to 3.15 (pyproject.toml). The branches on it are below, each with the
+# upstream change it follows.
 KERAS_VERSION = tuple(int(part) for part in keras.__version__.split(".")[:2])
+
+
+def keras_at_least(major, minor):
+    """Whether the installed Keras is ``major.minor`` or newer."""
+    return KERAS_VERSION >= (major, minor)
 
 __all__ = [
     "KERAS_VERSION", "functional_from_config", "unscale_loss_for_distribution",
@@ -28,9 +37,39 @@ def is_functional(model):
     return isinstance(model, (Functional, keras.Sequential))
 
 
+_functional_like_lock = threading.Lock()
+
+
 def functional_config(model):
-    """The functional part of ``model``'s config (layers and their connections)."""
-    return Functional.get_config(model)
+    """The functional part of ``model``'s config (its layers and their connections).
+
+    ``Functional.get_config`` serialises the graph only for classes whose ``__init__`` looks like
+    ``Functional.__init__``; a subclass with arguments of its own gets a bare ``Model`` config
+    without its layers. Keras 3.15 (keras-team/keras#23036) counts an ``__init__`` that forwards
+    ``*args, **kwargs`` as functional-like, as gacli's models do; before it (Keras <= 3.14, see
+    keras-team/keras#21546) the check is passed here for the span of the call.
+    """
+    if keras_at_least(3, 15):
+        return Functional.get_config(model)
+    with _functional_like_lock:
+        check = functional.functional_like_constructor
+        functional.functional_like_constructor = lambda cls: True
+        try:
+            return Functional.get_config(model)
+        finally:
+            functional.functional_like_constructor = check
+
+
+def autoconvert_optionals(model, step_function):
+    """``step_function`` as Keras' own TensorFlow trainer wraps a step before compiling it.
+
+    Keras 3.12 hands a step ``tf.experimental.Optional`` for the optional inputs a batch leaves out
+    (keras-team/keras#21548 and its follow-ups) and converts them back to None in
+    ``Trainer._autoconvert_optionals``; Keras <= 3.11 has neither, and the step is used as is.
+    """
+    if keras_at_least(3, 12):
+        return model._autoconvert_optionals(step_function)
+    return step_function
 
 
 def compute_training_loss(model, x, y, y_pred, sample_weight):
@@ -190,8 +229,8 @@ def _several_steps_function(model, step_function, steps):
         outputs = strategy.run(step_function, args=(data,))
         return reduce_per_replica(outputs, strategy, reduction="auto")
 
-    one_step = model._autoconvert_optionals(
-        tf.function(one_step, reduce_retracing=True, jit_compile=model.jit_compile)
+    one_step = autoconvert_optionals(
+        model, tf.function(one_step, reduce_retracing=True, jit_compile=model.jit_compile)
     )
 
     @tf.function(reduce_retracing=True)

@@ -18,6 +18,9 @@ from helpers import (
 
 import gacli
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 
 class SubclassedMLP(keras.Model):
     def __init__(self, **kwargs):

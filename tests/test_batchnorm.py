@@ -6,6 +6,9 @@ import pytest
 
 import gacli
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 K, MICRO = 4, 8
 
 

@@ -15,6 +15,9 @@ from helpers import numpy_agc, record, weight_and_gradient
 
 import gacli
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 CLIP_FACTOR = 0.01
 EPS = 1e-3
 # float32 against a float64 reference: a few float32 ulps of gradients of order 1e-2. A wrong axis

@@ -15,6 +15,9 @@ from helpers import (
 
 import gacli
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
 @pytest.mark.parametrize(

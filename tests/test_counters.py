@@ -12,6 +12,9 @@ from helpers import (
     max_weight_difference,
 )
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 PER_UPDATE_FEATURES = {
     # A fast decay: counting micro-steps instead of updates would shrink the LR 16x per window.
     "lr_schedule": lambda: keras.optimizers.SGD(

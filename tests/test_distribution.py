@@ -11,6 +11,9 @@ import sys
 import pytest
 from helpers import record
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -11,6 +11,9 @@ import pytest
 import tensorflow as tf
 
 import gacli
+
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
 from gacli.accumulate_model import AccumulatingModelWrapper
 from gacli.settings import AccumulationConfig
 

@@ -17,6 +17,9 @@ from helpers import (
 
 import gacli
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
 def test_e1_full_micro_batches_equal_big_batch(optimizer_case, wrapper):

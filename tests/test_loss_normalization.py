@@ -7,6 +7,9 @@ from helpers import max_weight_difference
 
 import gacli
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 VOCABULARY, LENGTH, MICRO, K = 20, 12, 8, 3
 
 

@@ -7,6 +7,9 @@ from helpers import big_batch_reference, make_data, max_weight_difference, mlp_l
 
 import gacli
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 
 @pytest.fixture
 def policy(request):

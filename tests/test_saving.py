@@ -12,6 +12,9 @@ from helpers import MICRO, K, accumulating_model, make_data, max_weight_differen
 
 import gacli
 
+# Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
+pytestmark = pytest.mark.exactness
+
 
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
 def test_c4_count_params_unchanged_and_save_load_keeps_settings(wrapper, tmp_path):

@@ -42,8 +42,12 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 
 # The modules whose classes Keras deserialises by their registered names ("gacli>...").
-_SERIALIZABLE = ("gacli.accumulation", "gacli.accumulate_model", "gacli.batchnorm",
-                 "gacli.optimizers")
+_SERIALIZABLE = (
+    "gacli.accumulation",
+    "gacli.accumulate_model",
+    "gacli.batchnorm",
+    "gacli.optimizers",
+)
 
 
 def _initializing(module):
@@ -56,8 +60,11 @@ def _register_with_keras(finished=None):
     one of those modules is still being imported (TensorFlow imports Keras from its own
     ``__init__``): then the import that finishes last registers them. ``finished``: the module
     whose code has just run (importlib still marks it as initialising)."""
-    if any(_initializing(sys.modules.get(name)) for name in _WAIT_FOR + _SERIALIZABLE
-           if name != finished):
+    if any(
+        _initializing(sys.modules.get(name))
+        for name in _WAIT_FOR + _SERIALIZABLE
+        if name != finished
+    ):
         return
     for name in _SERIALIZABLE:
         import_module(name)
@@ -83,8 +90,7 @@ class _RegisteringLoader(abc.Loader):
         except ImportError as error:  # a broken gacli must not break the user's `import keras`
             import warnings
 
-            warnings.warn(f"gacli's classes are not registered with Keras: {error}",
-                          stacklevel=2)
+            warnings.warn(f"gacli's classes are not registered with Keras: {error}", stacklevel=2)
 
     def __getattr__(self, name):  # get_source, get_resource_reader, ...: the wrapped loader's
         return getattr(self._loader, name)

@@ -26,8 +26,11 @@ def keras_at_least(major, minor):
     """Whether the installed Keras is ``major.minor`` or newer."""
     return KERAS_VERSION >= (major, minor)
 
+
 __all__ = [
-    "KERAS_VERSION", "functional_from_config", "unscale_loss_for_distribution",
+    "KERAS_VERSION",
+    "functional_from_config",
+    "unscale_loss_for_distribution",
 ]
 
 
@@ -75,8 +78,7 @@ def autoconvert_optionals(model, step_function):
 def compute_training_loss(model, x, y, y_pred, sample_weight):
     """The compiled loss of one training batch, with the regularisation losses, as
     ``train_step`` computes it (Keras' ``Trainer._compute_loss``)."""
-    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                               training=True)
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
 
 
 def loss_tracker(model):
@@ -101,8 +103,9 @@ def batchnorm_reduction_axes(layer):
 def loss_from_function(function, reduction):
     """A ``keras.losses.Loss`` that calls ``function(y_true, y_pred)`` with ``reduction`` (Keras
     exports no public class for this)."""
-    return LossFunctionWrapper(function, reduction=reduction,
-                               name=getattr(function, "__name__", None))
+    return LossFunctionWrapper(
+        function, reduction=reduction, name=getattr(function, "__name__", None)
+    )
 
 
 # -- optimizers -----------------------------------------------------------------------------------
@@ -198,8 +201,11 @@ class KerasWorkarounds:
         for _, _, batches in iterator:
             batch = next(batches)
             data_batch = tf.nest.map_structure(
-                lambda value: strategy.experimental_local_results(value)[0]
-                if isinstance(value, tf.distribute.DistributedValues) else value,
+                lambda value: (
+                    strategy.experimental_local_results(value)[0]
+                    if isinstance(value, tf.distribute.DistributedValues)
+                    else value
+                ),
                 batch,
             )
             break
@@ -214,8 +220,10 @@ class KerasWorkarounds:
         # tf.cond (its condition already checks that data is left) runs, for training and
         # validation alike.
         strategy = self.distribute_strategy
-        if self.steps_per_execution == 1 or self.run_eagerly or (
-            strategy.num_replicas_in_sync == 1
+        if (
+            self.steps_per_execution == 1
+            or self.run_eagerly
+            or (strategy.num_replicas_in_sync == 1)
         ):
             return super()._make_function(step_function)
         return _several_steps_function(self, step_function, self.steps_per_execution)

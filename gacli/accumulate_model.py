@@ -39,8 +39,7 @@ def _agc_alias(settings, agc):
     return settings
 
 
-def _model_settings(config, mixed_precision=False, experimental_distributed_support=False,
-                    **given):
+def _model_settings(config, mixed_precision=False, experimental_distributed_support=False, **given):
     """The AccumulationConfig of a model wrapper, from ``config`` and the settings given (None:
     not given). ``mixed_precision`` is the older package's switch (in Keras 3 the policy says);
     ``experimental_distributed_support`` is accepted for its users and changes nothing: gacli
@@ -151,10 +150,10 @@ class AccumulationMixin(compat.KerasWorkarounds):
             if config.loss_scaling is None:
                 # Under mixed_float16 the accumulator scales the loss itself (P2), so that each
                 # micro-batch is unscaled with its own scale and overflows follow `nonfinite`.
-                config = config.replace(
-                    loss_scaling=self.dtype_policy.name == "mixed_float16")
+                config = config.replace(loss_scaling=self.dtype_policy.name == "mixed_float16")
             return GradientAccumulateOptimizer(
-                optimizer, config=config.replace(loss_normalization=LossNormalization.batch))
+                optimizer, config=config.replace(loss_normalization=LossNormalization.batch)
+            )
         if optimizer.accum_steps != self.accum_steps:
             raise ValueError(
                 f"The model has accum_steps={self.accum_steps} but its "
@@ -175,7 +174,8 @@ class AccumulationMixin(compat.KerasWorkarounds):
         if self.loss_normalization is LossNormalization.window_weights:
             loss = _window_weighted_loss(loss)
         mismatched = [
-            layer.name for layer in accum_batchnorm_layers(self)
+            layer.name
+            for layer in accum_batchnorm_layers(self)
             if layer.accum_steps != self.accum_steps
         ]
         if mismatched:
@@ -232,11 +232,13 @@ class AccumulationMixin(compat.KerasWorkarounds):
         trainable_weights = self.trainable_weights
         if trainable_weights:
             gradients = tape.gradient(scaled_loss, trainable_weights)
-            accumulator.apply(gradients, trainable_weights, sample_count=sample_count,
-                              summed=summed)
+            accumulator.apply(
+                gradients, trainable_weights, sample_count=sample_count, summed=summed
+            )
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return compat.reducible_logs({**logs, **self._accumulation_logs()},
-                                     self.distribute_strategy)
+        return compat.reducible_logs(
+            {**logs, **self._accumulation_logs()}, self.distribute_strategy
+        )
 
     def _sample_count(self, x, sample_weight):
         """The micro-batch's weight in its window: its samples, or under
@@ -258,16 +260,15 @@ class AccumulationMixin(compat.KerasWorkarounds):
         accumulator = self.optimizer
         logs = {}
         if accumulator.nonfinite is not None:
-            logs["skipped_micro_batches"] = tf.convert_to_tensor(
-                accumulator.skipped_micro_batches
-            )
+            logs["skipped_micro_batches"] = tf.convert_to_tensor(accumulator.skipped_micro_batches)
             logs["skipped_windows"] = tf.convert_to_tensor(accumulator.skipped_windows)
         if accumulator.loss_scaling:
             logs["loss_scale"] = tf.convert_to_tensor(accumulator.loss_scale)
         return logs
 
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            **kwargs):
+    def fit(
+        self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, **kwargs
+    ):
         if self.accumulating_optimizer is None:
             raise RuntimeError("Call model.compile(optimizer=..., loss=...) before fit().")
         if self.built and not self.optimizer.built:
@@ -276,8 +277,15 @@ class AccumulationMixin(compat.KerasWorkarounds):
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
         callbacks = accumulation_callbacks(self.optimizer, callbacks or ())
-        return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                           callbacks=callbacks, **kwargs)
+        return super().fit(
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=epochs,
+            verbose=verbose,
+            callbacks=callbacks,
+            **kwargs,
+        )
 
 
 @keras.saving.register_keras_serializable(package="gacli")
@@ -333,10 +341,16 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
         settings = _agc_alias(_split_settings(kwargs), use_agc)
         super().__init__(*args, **kwargs)
         self.accumulation_config = _model_settings(
-            config, mixed_precision, accum_steps=accum_steps,
-            clip_factor=clip_factor, eps=eps, partial_window=partial_window,
-            accumulator_dtype=accumulator_dtype, nonfinite=nonfinite,
-            loss_normalization=loss_normalization, **settings,
+            config,
+            mixed_precision,
+            accum_steps=accum_steps,
+            clip_factor=clip_factor,
+            eps=eps,
+            partial_window=partial_window,
+            accumulator_dtype=accumulator_dtype,
+            nonfinite=nonfinite,
+            loss_normalization=loss_normalization,
+            **settings,
         )
 
     def get_config(self):
@@ -362,15 +376,23 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
     the same settings as :class:`GradientAccumulateModel`."""
 
     @shows_config_defaults
-    def __init__(self, model, accum_steps=None, mixed_precision=False,
-                 experimental_distributed_support=False, config=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        accum_steps=None,
+        mixed_precision=False,
+        experimental_distributed_support=False,
+        config=None,
+        **kwargs,
+    ):
         settings = _split_settings(kwargs)
         super().__init__(**kwargs)
         self.model = model
         # The wrapper owns no weights of its own: it is built when the wrapped model is.
         self.built = model.built
-        self.accumulation_config = _model_settings(config, mixed_precision,
-                                                   accum_steps=accum_steps, **settings)
+        self.accumulation_config = _model_settings(
+            config, mixed_precision, accum_steps=accum_steps, **settings
+        )
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
@@ -409,8 +431,12 @@ def wrap_model(model, accum_steps=None, config=None, **settings):
         inputs = outputs = None
     if inputs and outputs:
         return GradientAccumulateModel(
-            accum_steps=accum_steps, inputs=inputs, outputs=outputs, name=model.name,
-            config=config, **settings,
+            accum_steps=accum_steps,
+            inputs=inputs,
+            outputs=outputs,
+            name=model.name,
+            config=config,
+            **settings,
         )
     return AccumulatingModelWrapper(model, accum_steps=accum_steps, config=config, **settings)
 

@@ -29,8 +29,11 @@ from gacli.settings import AccumulationConfig, shows_config_defaults, validate_a
 from gacli.window import LossScale, NoiseScale, NonFiniteGuard, Window
 
 __all__ = [
-    "GradientAccumulateOptimizer", "NonFiniteError", "StopOnNonFinite",
-    "find_accumulating_optimizer", "validate_accum_steps",
+    "GradientAccumulateOptimizer",
+    "NonFiniteError",
+    "StopOnNonFinite",
+    "find_accumulating_optimizer",
+    "validate_accum_steps",
 ]
 
 # Arguments of keras.optimizers.Optimizer that belong to the inner optimizer: they act once per
@@ -102,6 +105,53 @@ def _settings(config, **given):
     return AccumulationConfig.from_kwargs(
         config, **{name: value for name, value in given.items() if value is not None}
     )
+
+
+def _check_arguments(kwargs, mixed_precision):
+    misplaced = sorted(key for key in kwargs if key in _INNER_ONLY_ARGUMENTS)
+    if misplaced:
+        raise ValueError(
+            f"GradientAccumulateOptimizer does not take {', '.join(misplaced)}: these act once "
+            "per update and belong to the inner optimizer, e.g. GradientAccumulateOptimizer("
+            "keras.optimizers.Adam(learning_rate=1e-3, clipnorm=1.0), accum_steps=4)."
+        )
+    if kwargs:
+        raise TypeError(
+            f"GradientAccumulateOptimizer got unexpected arguments: {', '.join(sorted(kwargs))}."
+        )
+    if mixed_precision:
+        raise ValueError(
+            "mixed_precision=True no longer applies in Keras 3: set the policy before building "
+            "the model, keras.mixed_precision.set_global_policy('mixed_float16'); the "
+            "optimizer then scales the loss itself (loss_scaling is on by default under "
+            "that policy). Compile with auto_scale_loss=False."
+        )
+
+
+def _optimizer_settings(config, kwargs, mixed_precision, **given):
+    """The optimizer's AccumulationConfig: ``config``, the arguments given (None: not given) and
+    any other setting in ``kwargs`` (``agc`` is ``use_agc``, the older README's name); loss
+    scaling follows the global policy unless set, and turns on the skip of overflows."""
+    agc = kwargs.pop("agc", None)
+    if agc is not None and given.get("use_agc") not in (None, agc):
+        raise ValueError("agc and use_agc are the same setting; pass one of them.")
+    given["use_agc"] = agc if given.get("use_agc") is None else given["use_agc"]
+    given.update({name: kwargs.pop(name) for name in AccumulationConfig.fields() if name in kwargs})
+    _check_arguments(kwargs, mixed_precision)
+    config = _settings(config, **given)
+    if config.loss_normalization is not LossNormalization.batch:
+        raise ValueError(
+            "loss_normalization is a setting of the model wrappers (it changes the loss, "
+            "which an optimizer never sees); pass it to gacli.GradientAccumulateModel or "
+            "gacli.wrap_model."
+        )
+    if config.loss_scaling is None:
+        config = config.replace(
+            loss_scaling=keras.mixed_precision.global_policy().name == "mixed_float16"
+        )
+    if config.nonfinite is None and config.loss_scaling:
+        config = config.replace(nonfinite=NonFinite.skip_micro_batch)
+    return config
 
 
 @keras.saving.register_keras_serializable(package="gacli")
@@ -180,37 +230,30 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         agc_unit_axes=None,
         **kwargs,
     ):
-        if kwargs.get("agc") is not None and use_agc not in (None, kwargs["agc"]):
-            raise ValueError("agc and use_agc are the same setting; pass one of them.")
-        use_agc = kwargs.pop("agc", None) if use_agc is None else use_agc
-        kwargs.pop("agc", None)
-        self._check_arguments(kwargs, mixed_precision)
-        config = _settings(
-            config, accum_steps=accum_steps, reduction=reduction, use_agc=use_agc,
-            clip_factor=clip_factor, eps=eps, partial_window=partial_window,
-            accumulator_dtype=dtype or accumulator_dtype, loss_scaling=loss_scaling,
-            initial_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps,
+        config = _optimizer_settings(
+            config,
+            kwargs,
+            mixed_precision,
+            accum_steps=accum_steps,
+            reduction=reduction,
+            use_agc=use_agc,
+            clip_factor=clip_factor,
+            eps=eps,
+            partial_window=partial_window,
+            accumulator_dtype=dtype or accumulator_dtype,
+            loss_scaling=loss_scaling,
+            initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps,
             nonfinite=nonfinite,
         )
-        if config.loss_normalization is not LossNormalization.batch:
-            raise ValueError(
-                "loss_normalization is a setting of the model wrappers (it changes the loss, "
-                "which an optimizer never sees); pass it to gacli.GradientAccumulateModel or "
-                "gacli.wrap_model."
-            )
-        if config.loss_scaling is None:
-            config = config.replace(
-                loss_scaling=keras.mixed_precision.global_policy().name == "mixed_float16"
-            )
-        if config.nonfinite is None and config.loss_scaling:
-            config = config.replace(nonfinite=NonFinite.skip_micro_batch)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = _inner_optimizer(optimizer)
         self.config = config
         self._window = Window(config.accum_steps, config.reduction, config.accumulator_dtype)
         self._loss_scale = (
             LossScale(config.initial_scale, config.dynamic_growth_steps)
-            if config.loss_scaling else None
+            if config.loss_scaling
+            else None
         )
         self._guard = NonFiniteGuard(config.nonfinite) if config.nonfinite else None
         self._noise = NoiseScale(config.noise_scale_decay) if config.noise_scale else None
@@ -222,27 +265,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         # Compiled flush/discard functions, by (kind, variables with gradients): a cache only.
         self._window_functions = {}
         self._constructed = True
-
-    @staticmethod
-    def _check_arguments(kwargs, mixed_precision):
-        misplaced = sorted(key for key in kwargs if key in _INNER_ONLY_ARGUMENTS)
-        if misplaced:
-            raise ValueError(
-                f"GradientAccumulateOptimizer does not take {', '.join(misplaced)}: these act once "
-                "per update and belong to the inner optimizer, e.g. GradientAccumulateOptimizer("
-                "keras.optimizers.Adam(learning_rate=1e-3, clipnorm=1.0), accum_steps=4)."
-            )
-        if kwargs:
-            raise TypeError(
-                f"GradientAccumulateOptimizer got unexpected arguments: {', '.join(sorted(kwargs))}."
-            )
-        if mixed_precision:
-            raise ValueError(
-                "mixed_precision=True no longer applies in Keras 3: set the policy before building "
-                "the model, keras.mixed_precision.set_global_policy('mixed_float16'); the "
-                "optimizer then scales the loss itself (loss_scaling is on by default under "
-                "that policy). Compile with auto_scale_loss=False."
-            )
 
     def __setattr__(self, name, value):
         # Keras' LossScaleOptimizer announces itself by clearing its inner optimizer's
@@ -299,8 +321,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.built = True
 
     # The parts' state variables (once built), under the names users and logs know them by.
-    micro_step = property(lambda self: self._window.micro_step,
-                          doc="Micro-batches accumulated (calls to apply), a variable.")
+    micro_step = property(
+        lambda self: self._window.micro_step,
+        doc="Micro-batches accumulated (calls to apply), a variable.",
+    )
     window_micro_steps = property(lambda self: self._window.window_micro_steps)
     window_weight = property(lambda self: self._window.window_weight)
     window_unweighted = property(lambda self: self._window.window_unweighted)
@@ -308,7 +332,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     loss_scale = property(lambda self: _state(self._loss_scale, "loss_scale", "loss_scaling"))
     growth_steps = property(lambda self: _state(self._loss_scale, "growth_steps", "loss_scaling"))
     skipped_micro_batches = property(
-        lambda self: _state(self._guard, "skipped_micro_batches", "nonfinite"))
+        lambda self: _state(self._guard, "skipped_micro_batches", "nonfinite")
+    )
     skipped_windows = property(lambda self: _state(self._guard, "skipped_windows", "nonfinite"))
     step_nonfinite = property(lambda self: _state(self._guard, "step_nonfinite", "nonfinite"))
     window_nonfinite = property(lambda self: _state(self._guard, "window_nonfinite", "nonfinite"))
@@ -370,12 +395,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     # -- the micro-step ---------------------------------------------------------------------------
     def apply_gradients(self, grads_and_vars, sample_count=None, summed=False, loss_divisor=None):
         grads, variables = zip(*grads_and_vars)
-        self.apply(grads, variables, sample_count=sample_count, summed=summed,
-                   loss_divisor=loss_divisor)
+        self.apply(
+            grads, variables, sample_count=sample_count, summed=summed, loss_divisor=loss_divisor
+        )
         return self.iterations
 
-    def apply(self, grads, trainable_variables=None, sample_count=None, summed=False,
-              loss_divisor=None):
+    def apply(
+        self, grads, trainable_variables=None, sample_count=None, summed=False, loss_divisor=None
+    ):
         """Accumulate one micro-batch; update through the inner optimizer every k-th call.
 
         Args:
@@ -411,7 +438,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         factor = self._micro_batch_factor(sample_count, summed, loss_divisor)
         gradients = {
             compat.variable_index(self, variable): gradient
-            for gradient, variable in zip(grads, trainable_variables) if gradient is not None
+            for gradient, variable in zip(grads, trainable_variables)
+            if gradient is not None
         }
         keep = self._guard.keep(list(gradients.values())) if self._guard else None
         observe = self._noise is not None and self._weighs(sample_count)
@@ -427,8 +455,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         that of what the window added: the gradient of the micro-batch's summed loss, unscaled
         (the mean's times the sample count), however the caller wrote the loss."""
         to_mean = 1.0 / tf.cast(sample_count, "float32")
-        self._noise.observe(squared * tf.square(to_mean), sample_count,
-                            tf.constant(True) if keep is None else keep)
+        self._noise.observe(
+            squared * tf.square(to_mean), sample_count, tf.constant(True) if keep is None else keep
+        )
 
     def _weighs(self, sample_count):
         return sample_count is not None and self.reduction is Reduction.mean
@@ -475,7 +504,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 self._decide(
                     distribution.experimental_local_results(window_closes)[0],
                     lambda fn, *args: distribution.extended.call_for_each_replica(fn, args=args),
-                    indices, micro_step, distribution.num_replicas_in_sync,
+                    indices,
+                    micro_step,
+                    distribution.num_replicas_in_sync,
                 )
 
             tf.distribute.get_replica_context().merge_call(merge_fn, args=(window_closes,))
@@ -492,12 +523,17 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                     # Any replica's overflow halves everyone's scale.
                     self._loss_scale.after_micro_step(overflow)
             healthy = self._guard.healthy(self._window.held())
-            tf.cond(tf.logical_and(closes, tf.logical_not(healthy)),
-                    lambda: in_each_replica(self._skip_window), lambda: None)
+            tf.cond(
+                tf.logical_and(closes, tf.logical_not(healthy)),
+                lambda: in_each_replica(self._skip_window),
+                lambda: None,
+            )
             apply_now = tf.logical_and(apply_now, tf.logical_and(healthy, self._guard.running()))
-        tf.cond(apply_now,
-                lambda: self._apply_in_replicas(in_each_replica, indices, replicas),
-                lambda: None)
+        tf.cond(
+            apply_now,
+            lambda: self._apply_in_replicas(in_each_replica, indices, replicas),
+            lambda: None,
+        )
 
     def _clips(self):
         inner = self.inner_optimizer
@@ -511,8 +547,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self.use_agc:
             from gacli.clipping import adaptive_clip_gradients
 
-            grads = adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps,
-                                            unit_axes=self.agc_unit_axes)
+            grads = adaptive_clip_gradients(
+                grads, variables, self.clip_factor, self.eps, unit_axes=self.agc_unit_axes
+            )
         return grads, variables
 
     def _apply_in_replicas(self, in_each_replica, indices, replicas):
@@ -525,12 +562,17 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self._noise is not None:
             # |G_B|^2 of the whole window: under several replicas, reading the accumulators here
             # sums them, one all-reduce more per window.
-            squared = tf.add_n([
-                tf.reduce_sum(tf.square(_summed(self._window.accumulators[index])))
-                for index in indices
-            ]) / tf.square(denominator)
-            self._noise.update(squared, _summed(self._window.window_weight),
-                               _summed(self._window.window_unweighted))
+            squared = tf.add_n(
+                [
+                    tf.reduce_sum(tf.square(_summed(self._window.accumulators[index])))
+                    for index in indices
+                ]
+            ) / tf.square(denominator)
+            self._noise.update(
+                squared,
+                _summed(self._window.window_weight),
+                _summed(self._window.window_unweighted),
+            )
         if replicas == 1 or not self._clips():
             in_each_replica(self._apply_window, indices, denominator)
             return
@@ -592,8 +634,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             # The strategy the optimizer was created under (Keras calls callbacks and
             # finalize_variable_values outside the strategy's scope).
             strategy = compat.optimizer_strategy(self)
-            step = (lambda: self._apply_window_if(self.window_micro_steps > 0, indices)) \
-                if kind == "flush" else self._reset_window
+            step = (
+                (lambda: self._apply_window_if(self.window_micro_steps > 0, indices))
+                if kind == "flush"
+                else self._reset_window
+            )
 
             @tf.function
             def function():
@@ -641,10 +686,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self._noise is None or not self.built:
             return None
         grad_sq, trace, scale = (float(v) for v in self._noise.estimates())
-        return {"noise_scale": scale, "grad_sq": grad_sq, "trace_cov": trace,
-                "grad_sq_raw": float(self._noise.grad_sq_raw.numpy()),
-                "trace_raw": float(self._noise.trace_raw.numpy()),
-                "windows": int(self._noise.windows.numpy())}
+        return {
+            "noise_scale": scale,
+            "grad_sq": grad_sq,
+            "trace_cov": trace,
+            "grad_sq_raw": float(self._noise.grad_sq_raw.numpy()),
+            "trace_raw": float(self._noise.trace_raw.numpy()),
+            "windows": int(self._noise.windows.numpy()),
+        }
 
     def halted_micro_step(self):
         """0 while training is healthy; under ``nonfinite="stop"``, the micro_step (counted from

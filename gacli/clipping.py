@@ -111,8 +111,10 @@ def _unit_axes(variable, variables_by_path):
         return None
     if rank == 3:
         bias = _bias_of(variable, variables_by_path)
-        if bias is not None and len(bias.shape) == 2 and tuple(bias.shape) == tuple(
-            variable.shape[1:]
+        if (
+            bias is not None
+            and len(bias.shape) == 2
+            and tuple(bias.shape) == tuple(variable.shape[1:])
         ):
             return _NFNETS_AXES[3]
     return tuple(range(rank - 1))
@@ -143,8 +145,7 @@ def _clip(gradient, parameter, axes, clip_factor, eps):
     return tf.where(gradient_norm > max_norm, gradient * scale, gradient)
 
 
-def adaptive_clip_gradients(gradients, variables, clip_factor=0.01, eps=1e-3, *,
-                            unit_axes=None):
+def adaptive_clip_gradients(gradients, variables, clip_factor=0.01, eps=1e-3, *, unit_axes=None):
     """Return ``gradients`` clipped unit-wise relative to the norms of ``variables``.
 
     A unit's norm runs over the NFNets axes for ranks 0 to 2, 4 and 5; for rank 3 over the axes
@@ -181,8 +182,12 @@ def adaptive_clip_gradients(gradients, variables, clip_factor=0.01, eps=1e-3, *,
 # Keras' 1D convolutions, whose rank-3 kernels are read like their 2D and 3D versions' under the
 # NFNets rule: every axis but the last. (A transposed convolution's last axis is its input
 # channels; NFNets' rank-4 rule reads Conv2DTranspose the same way.)
-_CONVOLUTIONS_1D = (keras.layers.Conv1D, keras.layers.Conv1DTranspose, keras.layers.DepthwiseConv1D,
-                    keras.layers.SeparableConv1D)
+_CONVOLUTIONS_1D = (
+    keras.layers.Conv1D,
+    keras.layers.Conv1DTranspose,
+    keras.layers.DepthwiseConv1D,
+    keras.layers.SeparableConv1D,
+)
 
 
 def _summed_kernel_axes(layer):
@@ -220,8 +225,10 @@ def agc_unit_axes(model):
     # layer (Keras has no public recursive listing; gacli.batchnorm walks models the same way).
     for layer in compat.sublayers(model, include_self=True):
         if isinstance(layer, _CONVOLUTIONS_1D):
-            kernels = [getattr(layer, name, None)
-                       for name in ("kernel", "depthwise_kernel", "pointwise_kernel")]
+            kernels = [
+                getattr(layer, name, None)
+                for name in ("kernel", "depthwise_kernel", "pointwise_kernel")
+            ]
             axes = (0, 1)
         elif isinstance(layer, keras.layers.EinsumDense):
             kernels = [layer.kernel]
@@ -253,5 +260,6 @@ def adaptive_clip_grad(parameters, gradients, clip_factor=0.01, eps=1e-3):
     Example:
         >>> grads = adaptive_clip_grad(model.trainable_variables, grads, clip_factor=0.01)
     """
-    return _clip_each(gradients, parameters, lambda parameter: _nfnets_axes(parameter.shape),
-                      clip_factor, eps)
+    return _clip_each(
+        gradients, parameters, lambda parameter: _nfnets_axes(parameter.shape), clip_factor, eps
+    )

@@ -16,7 +16,6 @@ from omegaconf import MISSING
 from gacli.errors import ConfigError, Interrupted  # noqa: F401  (imported from here by callers)
 from gacli.options import BatchNormPolicy, NonFinite, PartialWindow
 
-
 # Enum members are lower case because OmegaConf matches a YAML/command-line string to a member by
 # its name: optimizer.name=adam must find OptimizerName.adam (see gacli.options).
 
@@ -225,7 +224,8 @@ def resolve_batch(micro_batch_size, accum_steps, effective_batch_size, replicas,
         A :class:`BatchPlan`.
     """
     micro, accum, effective, from_command_line = _chosen_batch_values(
-        micro_batch_size, accum_steps, effective_batch_size, given)
+        micro_batch_size, accum_steps, effective_batch_size, given
+    )
     if micro is not None and accum is not None:
         return _checked_plan(micro, accum, effective, replicas, from_command_line)
     if micro is not None:
@@ -254,7 +254,9 @@ def _chosen_batch_values(micro_batch_size, accum_steps, effective_batch_size, gi
     None for the one to derive."""
     values = dict(zip(_BATCH_KEYS, (micro_batch_size, accum_steps, effective_batch_size)))
     for key, value in values.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
             raise ConfigError(
                 f"{key}={value} must be a whole number >= 1, e.g. {key}="
                 f"{ {'micro_batch_size': 16, 'accum_steps': 4, 'effective_batch_size': 64}[key] }."
@@ -284,9 +286,14 @@ def _checked_plan(micro, accum, effective, replicas, from_command_line):
     if disagree and not from_command_line:
         # All three from config files: the usual cause is a YAML that sets two of them and
         # leaves the default job's accum_steps in place.
-        derived = ("accum_steps: null", f"accum_steps = {effective // (micro * replicas)}") \
-            if effective % (micro * replicas) == 0 else \
-            ("effective_batch_size: null", f"effective_batch_size = {plan.effective_batch_size}")
+        derived = (
+            ("accum_steps: null", f"accum_steps = {effective // (micro * replicas)}")
+            if effective % (micro * replicas) == 0
+            else (
+                "effective_batch_size: null",
+                f"effective_batch_size = {plan.effective_batch_size}",
+            )
+        )
         raise ConfigError(
             f"micro_batch_size={micro}, accum_steps={accum} and effective_batch_size="
             f"{effective} are all set in the config files (the default job sets accum_steps: "
@@ -318,8 +325,9 @@ def expected_replicas(strategy):
 def validate(cfg, given=()):
     """Cross-field checks that need no TensorFlow; raises ConfigError saying what to type."""
     replicas = expected_replicas(cfg.strategy)
-    resolve_batch(cfg.micro_batch_size, cfg.accum_steps, cfg.effective_batch_size,
-                  replicas or 1, given)
+    resolve_batch(
+        cfg.micro_batch_size, cfg.accum_steps, cfg.effective_batch_size, replicas or 1, given
+    )
     if cfg.epochs < 1:
         raise ConfigError(f"epochs={cfg.epochs} must be >= 1, e.g. epochs=3.")
     if cfg.steps_per_epoch is not None and cfg.steps_per_epoch < 1:

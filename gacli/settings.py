@@ -86,8 +86,10 @@ class AccumulationConfig:
         set_("accum_steps", validate_accum_steps(self.accum_steps))
         set_("reduction", parse_option(Reduction, self.reduction, "reduction"))
         set_("partial_window", parse_option(PartialWindow, self.partial_window, "partial_window"))
-        set_("loss_normalization", parse_option(LossNormalization, self.loss_normalization,
-                                                "loss_normalization"))
+        set_(
+            "loss_normalization",
+            parse_option(LossNormalization, self.loss_normalization, "loss_normalization"),
+        )
         if self.nonfinite is not None:
             set_("nonfinite", parse_option(NonFinite, self.nonfinite, "nonfinite"))
         set_("use_agc", bool(self.use_agc))
@@ -172,9 +174,11 @@ def shows_config_defaults(function):
     signature = inspect.signature(function)
     defaults = {field.name: field.default for field in dataclasses.fields(AccumulationConfig)}
     parameters = [
-        parameter.replace(default=getattr(defaults[parameter.name], "value",
-                                          defaults[parameter.name]))
-        if parameter.name in defaults and parameter.default is None else parameter
+        parameter.replace(
+            default=getattr(defaults[parameter.name], "value", defaults[parameter.name])
+        )
+        if parameter.name in defaults and parameter.default is None
+        else parameter
         for parameter in signature.parameters.values()
     ]
     function.__signature__ = signature.replace(parameters=parameters)

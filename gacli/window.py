@@ -45,13 +45,17 @@ class Window:
         self.window_unweighted = add_state("window_unweighted", per_replica=True)
         # 1 for each variable that received a gradient: a variable that gets none must not be
         # "updated" with a zero gradient, which would still move it under Adam or momentum.
-        self.gradient_mask = add_state("gradient_mask", shape=(len(variables),), dtype="int32",
-                                       initial_value=1)
+        self.gradient_mask = add_state(
+            "gradient_mask", shape=(len(variables),), dtype="int32", initial_value=1
+        )
         self.accumulators = [
             add_state(
                 f"{variable.path.replace('/', '_')}_accumulator"
-                if hasattr(variable, "path") else f"accumulator_{index}",
-                shape=variable.shape, dtype=self.dtype, per_replica=True,
+                if hasattr(variable, "path")
+                else f"accumulator_{index}",
+                shape=variable.shape,
+                dtype=self.dtype,
+                per_replica=True,
             )
             for index, variable in enumerate(variables)
         ]
@@ -108,8 +112,10 @@ class Window:
         return [
             # divide_no_nan: a replica whose micro-batches were all skipped holds zeros, not 0/0.
             tf.cast(
-                tf.math.divide_no_nan(_value(self.accumulators[index]),
-                                      tf.cast(denominator, self.accumulators[index].dtype)),
+                tf.math.divide_no_nan(
+                    _value(self.accumulators[index]),
+                    tf.cast(denominator, self.accumulators[index].dtype),
+                ),
                 variable.dtype,
             )
             for index, variable in zip(indices, variables)

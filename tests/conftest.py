@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
+
 from helpers import MEASURED, OPTIMIZERS, current_test  # noqa: E402
 
 

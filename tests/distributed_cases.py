@@ -18,6 +18,7 @@ import tensorflow as tf  # noqa: E402
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
+import gacli  # noqa: E402
 from helpers import (  # noqa: E402
     agc_big_batch_reference,
     big_batch_reference,
@@ -30,15 +31,14 @@ from helpers import (  # noqa: E402
     plain_model,
 )
 
-import gacli  # noqa: E402
-
 OPTIMIZERS = {
     "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
     # Clipping binds here (gradient norms are ~1): it must act on the gradient of the whole
     # window over all replicas, not on each replica's part.
-    "momentum-global-clipnorm": lambda: keras.optimizers.SGD(0.1, momentum=0.9,
-                                                             global_clipnorm=0.02),
+    "momentum-global-clipnorm": lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, global_clipnorm=0.02
+    ),
     "momentum-clipvalue": lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipvalue=0.002),
     "sgd-agc": lambda: keras.optimizers.SGD(0.5),
 }
@@ -66,16 +66,29 @@ def fit_case(wrapper, optimizer, replicas, samples, micro, accum_steps, steps_pe
     with strategy.scope():
         if wrapper == "model":
             inputs, outputs = mlp_layers()
-            model = gacli.GradientAccumulateModel(accum_steps=accum_steps, inputs=inputs,
-                                                  outputs=outputs, use_agc="agc" in optimizer,
-                                                  clip_factor=CLIP_FACTOR)
-            model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse",
-                          steps_per_execution=steps_per_execution)
+            model = gacli.GradientAccumulateModel(
+                accum_steps=accum_steps,
+                inputs=inputs,
+                outputs=outputs,
+                use_agc="agc" in optimizer,
+                clip_factor=CLIP_FACTOR,
+            )
+            model.compile(
+                optimizer=OPTIMIZERS[optimizer](),
+                loss="mse",
+                steps_per_execution=steps_per_execution,
+            )
         else:
             model = plain_model()
-            model.compile(optimizer=gacli.GradientAccumulateOptimizer(
-                OPTIMIZERS[optimizer](), accum_steps=accum_steps, use_agc="agc" in optimizer,
-                clip_factor=CLIP_FACTOR), loss="mse")
+            model.compile(
+                optimizer=gacli.GradientAccumulateOptimizer(
+                    OPTIMIZERS[optimizer](),
+                    accum_steps=accum_steps,
+                    use_agc="agc" in optimizer,
+                    clip_factor=CLIP_FACTOR,
+                ),
+                loss="mse",
+            )
     model.fit(x, y, batch_size=micro * replicas, epochs=EPOCHS, shuffle=False, verbose=0)
     return max_weight_difference(model, reference)
 
@@ -91,8 +104,9 @@ def custom_loop_case(optimizer, replicas, samples, micro, accum_steps, loss_styl
     x, y, reference, strategy = setting(optimizer, replicas, samples, micro, accum_steps)
     with strategy.scope():
         model = plain_model()
-        accumulator = gacli.GradientAccumulateOptimizer(OPTIMIZERS[optimizer](),
-                                                        accum_steps=accum_steps)
+        accumulator = gacli.GradientAccumulateOptimizer(
+            OPTIMIZERS[optimizer](), accum_steps=accum_steps
+        )
         accumulator.build(model.trainable_variables)
         keras_loss = keras.losses.MeanSquaredError()
     global_micro = micro * replicas
@@ -111,15 +125,15 @@ def custom_loop_case(optimizer, replicas, samples, micro, accum_steps, loss_styl
                     divisor = count * strategy.num_replicas_in_sync
                 elif loss_style == "compute-average-loss":
                     per_example = tf.reduce_mean(tf.square(prediction - y_local), axis=-1)
-                    loss = tf.nn.compute_average_loss(per_example,
-                                                      global_batch_size=global_micro)
+                    loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_micro)
                     divisor = global_micro
                 else:
                     loss = tf.reduce_mean(tf.square(prediction - y_local))
                     divisor = None
             grads = tape.gradient(loss, model.trainable_variables)
-            accumulator.apply_gradients(zip(grads, model.trainable_variables),
-                                        sample_count=count, loss_divisor=divisor)
+            accumulator.apply_gradients(
+                zip(grads, model.trainable_variables), sample_count=count, loss_divisor=divisor
+            )
 
         strategy.run(on_replica, args=(x_batch, y_batch))
 
@@ -144,8 +158,10 @@ def restored_case(optimizer, replicas=2):
     def build():
         with strategy.scope():
             model = plain_model()
-            model.compile(optimizer=gacli.GradientAccumulateOptimizer(
-                make_optimizer(), accum_steps=2), loss="mse")
+            model.compile(
+                optimizer=gacli.GradientAccumulateOptimizer(make_optimizer(), accum_steps=2),
+                loss="mse",
+            )
             model.optimizer.build(model.trainable_variables)
         return model, tf.train.Checkpoint(model=model, optimizer=model.optimizer)
 
@@ -164,8 +180,7 @@ def noise_scale_case(accum_steps):
     """The largest relative error of the noise scale's parts under 2 replicas (each replica's
     micro-batch is a small batch, the window over both replicas the big one)."""
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    return max(noise_scale_errors(noise_scale_run(1.5, strategy=strategy,
-                                                  accum_steps=accum_steps)))
+    return max(noise_scale_errors(noise_scale_run(1.5, strategy=strategy, accum_steps=accum_steps)))
 
 
 def cases():
@@ -176,19 +191,48 @@ def cases():
         found[f"model-2replicas-ragged-{optimizer}"] = (fit_case, "model", optimizer, 2, 70, 16, 2)
         found[f"model-1replica-ragged-{optimizer}"] = (fit_case, "model", optimizer, 1, 70, 16, 4)
         # A plain model's fit() weighs micro-batches equally: full windows only.
-        found[f"optimizer-2replicas-{optimizer}"] = (fit_case, "optimizer", optimizer, 2, 128,
-                                                     16, 2)
+        found[f"optimizer-2replicas-{optimizer}"] = (
+            fit_case,
+            "optimizer",
+            optimizer,
+            2,
+            128,
+            16,
+            2,
+        )
         for style in ("local-mean", "keras-loss", "compute-average-loss"):
             found[f"custom-loop-{style}-2replicas-ragged-{optimizer}"] = (
-                custom_loop_case, optimizer, 2, 70, 16, 2, style)
+                custom_loop_case,
+                optimizer,
+                2,
+                70,
+                16,
+                2,
+                style,
+            )
         # Several micro-batches a compiled call (gacli's own loop under several replicas): 3 does
         # not divide the epoch's 5 micro-batches, and windows of 2 straddle the calls.
         found[f"model-2replicas-ragged-steps_per_execution-{optimizer}"] = (
-            fit_case, "model", optimizer, 2, 150, 16, 2, 3)
+            fit_case,
+            "model",
+            optimizer,
+            2,
+            150,
+            16,
+            2,
+            3,
+        )
     for optimizer in ("momentum-global-clipnorm", "momentum-clipvalue", "sgd-agc"):
         found[f"model-2replicas-ragged-{optimizer}"] = (fit_case, "model", optimizer, 2, 70, 16, 2)
-        found[f"optimizer-2replicas-{optimizer}"] = (fit_case, "optimizer", optimizer, 2, 128,
-                                                     16, 2)
+        found[f"optimizer-2replicas-{optimizer}"] = (
+            fit_case,
+            "optimizer",
+            optimizer,
+            2,
+            128,
+            16,
+            2,
+        )
     for optimizer in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm"):
         found[f"optimizer-2replicas-restored-{optimizer}"] = (restored_case, optimizer)
     for accum_steps in (1, 4):
@@ -206,8 +250,11 @@ def main():
     """All cases but the SEPARATE ones, or those whose name holds the first argument:
     python tests/distributed_cases.py restored"""
     only = sys.argv[1] if len(sys.argv) > 1 else ""
-    results = {name: case[0](*case[1:]) for name, case in cases().items()
-               if (only in name if only else SEPARATE not in name)}
+    results = {
+        name: case[0](*case[1:])
+        for name, case in cases().items()
+        if (only in name if only else SEPARATE not in name)
+    }
     print("RESULTS " + json.dumps(results))
 
 

@@ -55,7 +55,7 @@ MICRO, K = 16, 4  # the exactness tests' micro-batch size and accum_steps
 def make_data(num_samples=70, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(num_samples, FEATURES)).astype("float32")
-    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(num_samples, 1)))
+    y = x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(num_samples, 1))
     return x, y.astype("float32")
 
 
@@ -112,7 +112,8 @@ def big_batch_reference(make_optimizer, windows, x, y, loss="mse", seed=0):
 
 
 def epoch_windows(num_samples, window_size, epochs):
-    """Windows of ``window_size`` consecutive samples, restarting each epoch (partial_window=apply)."""
+    """Windows of ``window_size`` consecutive samples, restarting each epoch
+    (partial_window=apply)."""
     windows = []
     for _ in range(epochs):
         for start in range(0, num_samples, window_size):
@@ -173,8 +174,13 @@ def agc_big_batch_reference(make_optimizer, windows, x, y, clip_factor, eps=1e-3
             value = loss(y[window], model(x[window], training=True))
         gradients = tape.gradient(value, model.trainable_variables)
         clipped = [
-            numpy_agc(variable.numpy(), gradient.numpy(), NFNETS_AXES[len(variable.shape)],
-                      clip_factor, eps)[0].astype("float32")
+            numpy_agc(
+                variable.numpy(),
+                gradient.numpy(),
+                NFNETS_AXES[len(variable.shape)],
+                clip_factor,
+                eps,
+            )[0].astype("float32")
             for variable, gradient in zip(model.trainable_variables, gradients)
         ]
         optimizer.apply_gradients(zip(clipped, model.trainable_variables))
@@ -187,8 +193,9 @@ def ga_train(*arguments, cwd, timeout=600, env=None):
     command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *arguments]
     environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     environment.update(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                            env=environment)
+    result = subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environment
+    )
     return result.returncode, result.stdout + result.stderr
 
 
@@ -271,11 +278,16 @@ def noise_scale_run(label_noise, epochs=4, strategy=None, accum_steps=K_GNS):
     keras.utils.set_random_seed(0)
     with (strategy or tf.distribute.get_strategy()).scope():
         inputs = keras.Input((GNS_FEATURES,))
-        model = gacli.GradientAccumulateModel(accum_steps=accum_steps, noise_scale=True,
-                                              inputs=inputs,
-                                              outputs=keras.layers.Dense(GNS_CLASSES)(inputs))
-        model.compile(optimizer=keras.optimizers.SGD(0.0),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = gacli.GradientAccumulateModel(
+            accum_steps=accum_steps,
+            noise_scale=True,
+            inputs=inputs,
+            outputs=keras.layers.Dense(GNS_CLASSES)(inputs),
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.0),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     windows = []
 
     class EveryWindow(keras.callbacks.Callback):
@@ -286,8 +298,9 @@ def noise_scale_run(label_noise, epochs=4, strategy=None, accum_steps=K_GNS):
                 windows.append((summary["grad_sq_raw"], summary["trace_raw"]))
 
     replicas = model.distribute_strategy.num_replicas_in_sync
-    model.fit(x, y, batch_size=MICRO_GNS * replicas, epochs=epochs, verbose=0,
-              callbacks=[EveryWindow()])
+    model.fit(
+        x, y, batch_size=MICRO_GNS * replicas, epochs=epochs, verbose=0, callbacks=[EveryWindow()]
+    )
     return noise_scale_direct(model, x, y), np.array(windows), model.optimizer.noise_scale()
 
 
@@ -295,5 +308,8 @@ def noise_scale_errors(run):
     """Relative errors of the engine's |G|^2, tr(Sigma) and B_simple, averaged over windows."""
     (grad_sq, trace), windows, _ = run
     estimated_grad_sq, estimated_trace = windows.mean(axis=0)
-    return (abs(estimated_grad_sq / grad_sq - 1), abs(estimated_trace / trace - 1),
-            abs((estimated_trace / estimated_grad_sq) / (trace / grad_sq) - 1))
+    return (
+        abs(estimated_grad_sq / grad_sq - 1),
+        abs(estimated_trace / trace - 1),
+        abs((estimated_trace / estimated_grad_sq) / (trace / grad_sq) - 1),
+    )

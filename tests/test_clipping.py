@@ -11,9 +11,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import numpy_agc, record, weight_and_gradient
 
 import gacli
+from helpers import numpy_agc, record, weight_and_gradient
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness
@@ -28,44 +28,81 @@ ATOL = 1e-6
 KINDS = {
     "dense": (lambda: keras.layers.Dense(6), (4,), {"kernel": (0,), "bias": None}),
     "conv1d": (lambda: keras.layers.Conv1D(6, 3), (5, 4), {"kernel": (0, 1), "bias": None}),
-    "conv1d-no-bias": (lambda: keras.layers.Conv1D(6, 3, use_bias=False), (5, 4),
-                       {"kernel": (0, 1)}),
+    "conv1d-no-bias": (
+        lambda: keras.layers.Conv1D(6, 3, use_bias=False),
+        (5, 4),
+        {"kernel": (0, 1)},
+    ),
     # [w, out, in]: per input channel, as the NFNets rule reads a Conv2DTranspose kernel.
-    "conv1d-transpose": (lambda: keras.layers.Conv1DTranspose(6, 3), (5, 4),
-                         {"kernel": (0, 1), "bias": None}),
-    "depthwise-conv1d": (lambda: keras.layers.DepthwiseConv1D(3, depth_multiplier=2), (5, 4),
-                         {"kernel": (0, 1), "bias": None}),
-    "separable-conv1d": (lambda: keras.layers.SeparableConv1D(6, 3, depth_multiplier=2), (5, 4),
-                         {"depthwise_kernel": (0, 1), "pointwise_kernel": (0, 1), "bias": None}),
+    "conv1d-transpose": (
+        lambda: keras.layers.Conv1DTranspose(6, 3),
+        (5, 4),
+        {"kernel": (0, 1), "bias": None},
+    ),
+    "depthwise-conv1d": (
+        lambda: keras.layers.DepthwiseConv1D(3, depth_multiplier=2),
+        (5, 4),
+        {"kernel": (0, 1), "bias": None},
+    ),
+    "separable-conv1d": (
+        lambda: keras.layers.SeparableConv1D(6, 3, depth_multiplier=2),
+        (5, 4),
+        {"depthwise_kernel": (0, 1), "pointwise_kernel": (0, 1), "bias": None},
+    ),
     "conv2d": (lambda: keras.layers.Conv2D(6, 3), (5, 5, 4), {"kernel": (0, 1, 2), "bias": None}),
-    "conv3d": (lambda: keras.layers.Conv3D(6, 2), (3, 3, 3, 4),
-               {"kernel": (0, 1, 2, 3), "bias": None}),
+    "conv3d": (
+        lambda: keras.layers.Conv3D(6, 2),
+        (3, 3, 3, 4),
+        {"kernel": (0, 1, 2, 3), "bias": None},
+    ),
     # [in, heads, dim] with a [heads, dim] bias (rank 2: axis 0 by the rule).
-    "einsum-heads": (lambda: keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3), bias_axes="de"),
-                     (5, 4), {"kernel": (0,), "bias": (0,)}),
-    "einsum-heads-no-bias": (lambda: keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3)), (5, 4),
-                             {"kernel": (0,)}),
+    "einsum-heads": (
+        lambda: keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3), bias_axes="de"),
+        (5, 4),
+        {"kernel": (0,), "bias": (0,)},
+    ),
+    "einsum-heads-no-bias": (
+        lambda: keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3)),
+        (5, 4),
+        {"kernel": (0,)},
+    ),
     # [heads, dim, out], as MultiHeadAttention's output projection.
     "einsum-output-projection": (
-        lambda: keras.layers.EinsumDense("abcd,cde->abe", (5, 6), bias_axes="e"), (5, 2, 3),
-        {"kernel": (0, 1), "bias": None}),
+        lambda: keras.layers.EinsumDense("abcd,cde->abe", (5, 6), bias_axes="e"),
+        (5, 2, 3),
+        {"kernel": (0, 1), "bias": None},
+    ),
     # [position, in, out]: a weight per position, summed over the input alone.
     "einsum-per-position": (
-        lambda: keras.layers.EinsumDense("abc,bcd->abd", (5, 6), bias_axes="d"), (5, 4),
-        {"kernel": (1,), "bias": None}),
+        lambda: keras.layers.EinsumDense("abc,bcd->abd", (5, 6), bias_axes="d"),
+        (5, 4),
+        {"kernel": (1,), "bias": None},
+    ),
     "multi-head-attention": (
-        lambda: keras.layers.MultiHeadAttention(num_heads=2, key_dim=3), (5, 4),
-        {**{f"{p}/{w}": (0,) for p in ("query", "key", "value") for w in ("kernel", "bias")},
-         "attention_output/kernel": (0, 1), "attention_output/bias": None}),
+        lambda: keras.layers.MultiHeadAttention(num_heads=2, key_dim=3),
+        (5, 4),
+        {
+            **{f"{p}/{w}": (0,) for p in ("query", "key", "value") for w in ("kernel", "bias")},
+            "attention_output/kernel": (0, 1),
+            "attention_output/bias": None,
+        },
+    ),
     "multi-head-attention-no-bias": (
-        lambda: keras.layers.MultiHeadAttention(num_heads=2, key_dim=3, use_bias=False), (5, 4),
-        {"query/kernel": (0,), "key/kernel": (0,), "value/kernel": (0,),
-         "attention_output/kernel": (0, 1)}),
+        lambda: keras.layers.MultiHeadAttention(num_heads=2, key_dim=3, use_bias=False),
+        (5, 4),
+        {
+            "query/kernel": (0,),
+            "key/kernel": (0,),
+            "value/kernel": (0,),
+            "attention_output/kernel": (0, 1),
+        },
+    ),
 }
 # The rank-3 kernels that the variables alone (no agc_unit_axes) read as a convolution's, (0, 1):
 # nothing beside them tells a multi-head or per-position kernel from a Conv1D kernel.
 READ_AS_CONVOLUTION_WITHOUT_LAYERS = {
-    ("einsum-heads-no-bias", "kernel"), ("einsum-per-position", "kernel"),
+    ("einsum-heads-no-bias", "kernel"),
+    ("einsum-per-position", "kernel"),
     *(("multi-head-attention-no-bias", f"{p}/kernel") for p in ("query", "key", "value")),
 }
 
@@ -112,8 +149,9 @@ def test_each_layer_kind_clips_its_units_as_numpy_does(kind):
     """adaptive_clip_gradients with the table agc_unit_axes reads from the layer."""
     layer, gradients, names = layer_weights_and_gradients(kind)
     variables = layer.trainable_variables
-    clipped = gacli.adaptive_clip_gradients(gradients, variables, CLIP_FACTOR, EPS,
-                                            unit_axes=gacli.agc_unit_axes(layer))
+    clipped = gacli.adaptive_clip_gradients(
+        gradients, variables, CLIP_FACTOR, EPS, unit_axes=gacli.agc_unit_axes(layer)
+    )
     check_against_numpy(kind, variables, gradients, names, clipped, KINDS[kind][2].get)
 
 
@@ -135,17 +173,22 @@ def test_without_the_layers_only_bias_free_einsum_kernels_read_as_convolutions(k
 
 def test_agc_unit_axes_reads_nested_models_and_layers():
     keras.utils.set_random_seed(0)
-    inner = keras.Sequential([keras.Input((5, 4)), keras.layers.Conv1D(4, 2, name="conv")],
-                             name="inner")
+    inner = keras.Sequential(
+        [keras.Input((5, 4)), keras.layers.Conv1D(4, 2, name="conv")], name="inner"
+    )
     inputs = keras.Input((5, 4))
     h = inner(inputs)
     h = keras.layers.MultiHeadAttention(2, 3, use_bias=False, name="attention")(h, h)
     model = keras.Model(inputs, keras.layers.Dense(1, name="head")(keras.layers.Flatten()(h)))
     assert gacli.agc_unit_axes(model) == {
-        "inner/conv/kernel": (0, 1), "inner/conv/bias": None,
-        "attention/query/kernel": (0,), "attention/key/kernel": (0,),
-        "attention/value/kernel": (0,), "attention/attention_output/kernel": (0, 1),
-        "head/kernel": (0,), "head/bias": None,
+        "inner/conv/kernel": (0, 1),
+        "inner/conv/bias": None,
+        "attention/query/kernel": (0,),
+        "attention/key/kernel": (0,),
+        "attention/value/kernel": (0,),
+        "attention/attention_output/kernel": (0, 1),
+        "head/kernel": (0,),
+        "head/bias": None,
     }
 
 
@@ -156,23 +199,35 @@ def rank3_layers_model(seed=0):
     inputs = keras.Input((5, 4))
     h = keras.layers.Conv1D(6, 3, padding="same", name="conv")(inputs)
     h = keras.layers.Conv1D(4, 2, padding="same", use_bias=False, name="conv_no_bias")(h)
-    heads = keras.layers.EinsumDense("abc,cde->abde", output_shape=(5, 2, 3), bias_axes="de",
-                                     name="heads")(h)
+    heads = keras.layers.EinsumDense(
+        "abc,cde->abde", output_shape=(5, 2, 3), bias_axes="de", name="heads"
+    )(h)
     # Without a bias, only its layer tells this kernel [in, heads, dim] from a Conv1D's.
-    bare = keras.layers.EinsumDense("abc,cde->abde", output_shape=(5, 2, 3),
-                                    name="heads_no_bias")(h)
-    both = keras.layers.Concatenate()([keras.layers.Flatten()(heads),
-                                       keras.layers.Flatten()(bare)])
+    bare = keras.layers.EinsumDense("abc,cde->abde", output_shape=(5, 2, 3), name="heads_no_bias")(
+        h
+    )
+    both = keras.layers.Concatenate()([keras.layers.Flatten()(heads), keras.layers.Flatten()(bare)])
     outputs = keras.layers.Dense(1, name="head")(both)
     return keras.Model(inputs, outputs)
 
 
 # rank3_layers_model's units (rank 1: the whole tensor).
-CHOSEN_AXES = {"conv/kernel": (0, 1), "conv_no_bias/kernel": (0, 1), "heads/kernel": (0,),
-               "heads/bias": (0,), "heads_no_bias/kernel": (0,), "head/kernel": (0,)}
+CHOSEN_AXES = {
+    "conv/kernel": (0, 1),
+    "conv_no_bias/kernel": (0, 1),
+    "heads/kernel": (0,),
+    "heads/bias": (0,),
+    "heads_no_bias/kernel": (0,),
+    "head/kernel": (0,),
+}
 # The other reading of each rank-3 kernel, which a test shows gacli does not take.
-OTHER_AXES = {**CHOSEN_AXES, "conv/kernel": (0,), "conv_no_bias/kernel": (0,),
-              "heads/kernel": (0, 1), "heads_no_bias/kernel": (0, 1)}
+OTHER_AXES = {
+    **CHOSEN_AXES,
+    "conv/kernel": (0,),
+    "conv_no_bias/kernel": (0,),
+    "heads/kernel": (0, 1),
+    "heads_no_bias/kernel": (0, 1),
+}
 
 
 def reference_axes(variable, table=CHOSEN_AXES):
@@ -205,16 +260,29 @@ def test_use_agc_wrappers_clip_rank_3_kernels_by_layer(wrapper):
     other = numpy_update(rank3_layers_model(), x, y, learning_rate, OTHER_AXES)
     base = rank3_layers_model()
     if wrapper == "model":
-        model = gacli.GradientAccumulateModel(accum_steps=2, use_agc=True, clip_factor=CLIP_FACTOR,
-                                              eps=EPS, inputs=base.inputs, outputs=base.outputs)
+        model = gacli.GradientAccumulateModel(
+            accum_steps=2,
+            use_agc=True,
+            clip_factor=CLIP_FACTOR,
+            eps=EPS,
+            inputs=base.inputs,
+            outputs=base.outputs,
+        )
         model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
     else:
         model = base
         # A plain model's optimizer learns the layers from the model's table.
-        model.compile(optimizer=gacli.GradientAccumulateOptimizer(
-            keras.optimizers.SGD(learning_rate), accum_steps=2, use_agc=True,
-            clip_factor=CLIP_FACTOR, eps=EPS, agc_unit_axes=gacli.agc_unit_axes(base)),
-            loss="mse")
+        model.compile(
+            optimizer=gacli.GradientAccumulateOptimizer(
+                keras.optimizers.SGD(learning_rate),
+                accum_steps=2,
+                use_agc=True,
+                clip_factor=CLIP_FACTOR,
+                eps=EPS,
+                agc_unit_axes=gacli.agc_unit_axes(base),
+            ),
+            loss="mse",
+        )
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     differences = [
         float(np.max(np.abs(variable.numpy() - expected[variable.path])))

@@ -10,9 +10,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import NFNETS_AXES, numpy_agc, numpy_norm, record, weight_and_gradient
 
 import gacli
+from helpers import NFNETS_AXES, numpy_agc, numpy_norm, record, weight_and_gradient
 
 CLIP_FACTOR = 0.01
 EPS = 1e-3
@@ -44,8 +44,13 @@ def test_unitwise_and_compute_norm_match_numpy(rank):
 def test_compute_norm_takes_any_axis_and_keepdims(axis, keepdims):
     """compute_norm(x, axis, keepdims) as the old one: an int or a list of axes, or None."""
     x = np.random.default_rng(6).normal(size=(3, 4, 5)).astype("float32")
-    expected = np.sqrt(np.sum(np.asarray(x, np.float64) ** 2, axis=None if axis is None
-                              else tuple(np.atleast_1d(axis)), keepdims=keepdims))
+    expected = np.sqrt(
+        np.sum(
+            np.asarray(x, np.float64) ** 2,
+            axis=None if axis is None else tuple(np.atleast_1d(axis)),
+            keepdims=keepdims,
+        )
+    )
     got = gacli.compute_norm(tf.constant(x), axis, keepdims).numpy()
     assert got.shape == expected.shape
     assert float(np.max(np.abs(got - expected) / expected)) <= NORM_RTOL
@@ -64,8 +69,9 @@ def test_adaptive_clip_grad_matches_numpy(rank):
     expected, clips = numpy_agc(weight, gradient, axes, CLIP_FACTOR, EPS)
     if axes is not None:  # both branches of the clip are exercised
         assert clips.any() and not clips.all()
-    (got,) = gacli.adaptive_clip_grad([tf.constant(weight)], [tf.constant(gradient)],
-                                      clip_factor=CLIP_FACTOR, eps=EPS)
+    (got,) = gacli.adaptive_clip_grad(
+        [tf.constant(weight)], [tf.constant(gradient)], clip_factor=CLIP_FACTOR, eps=EPS
+    )
     difference = float(np.max(np.abs(got.numpy() - expected)))
     assert record(difference, f"adaptive_clip_grad[rank{rank}]") <= ATOL
     # The clip changed the gradient by far more than the tolerance.
@@ -100,12 +106,20 @@ def test_seven_old_names_with_old_signatures():
         "compute_norm": ["x", "axis", "keepdims"],
         "replace_batchnorm_layers": ["model", "accum_steps", ("position", "replace")],
         "GradientAccumulateModel": [
-            ("accum_steps", 1), ("mixed_precision", False), ("use_agc", False),
-            ("clip_factor", 0.01), ("eps", 1e-3), ("experimental_distributed_support", False),
+            ("accum_steps", 1),
+            ("mixed_precision", False),
+            ("use_agc", False),
+            ("clip_factor", 0.01),
+            ("eps", 1e-3),
+            ("experimental_distributed_support", False),
         ],
         "GradientAccumulateOptimizer": [
-            ("optimizer", "sgd"), ("accum_steps", 1), ("reduction", "mean"), ("use_agc", False),
-            ("mixed_precision", False), ("name", "GradientAccumulateOptimizer"),
+            ("optimizer", "sgd"),
+            ("accum_steps", 1),
+            ("reduction", "mean"),
+            ("use_agc", False),
+            ("mixed_precision", False),
+            ("name", "GradientAccumulateOptimizer"),
         ],
         "AccumBatchNormalization": [("accum_steps", 1)],
     }
@@ -128,15 +142,21 @@ def test_seven_old_names_with_old_signatures():
             positions.append(names.index(key))
         assert positions == sorted(positions), name
         old_names = {p if isinstance(p, str) else p[0] for p in parameters}
-        assert all(p.default is not inspect.Parameter.empty or p.name in old_names
-                   or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params), name
+        assert all(
+            p.default is not inspect.Parameter.empty
+            or p.name in old_names
+            or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            for p in params
+        ), name
     # The old GradientAccumulateOptimizer's dtype (tf.float32) and AccumBatchNormalization's
     # momentum, epsilon and trainable reach gacli by keyword with the same meaning.
-    optimizer = gacli.GradientAccumulateOptimizer("SGD", accum_steps=2, reduction="MEAN",
-                                                  dtype=tf.float32)
+    optimizer = gacli.GradientAccumulateOptimizer(
+        "SGD", accum_steps=2, reduction="MEAN", dtype=tf.float32
+    )
     assert optimizer.accumulator_dtype == "float32"
-    layer = gacli.AccumBatchNormalization(accum_steps=2, momentum=0.99, epsilon=1e-3,
-                                          trainable=True)
+    layer = gacli.AccumBatchNormalization(
+        accum_steps=2, momentum=0.99, epsilon=1e-3, trainable=True
+    )
     assert (layer.momentum, layer.epsilon, layer.trainable) == (0.99, 1e-3, True)
     assert gacli.AccumBatchNormalization().momentum == 0.99  # the old default
 
@@ -146,7 +166,8 @@ def bn_model():
     inputs = keras.Input((4,))
     # Not Keras' default momentum and epsilon: the swapped layer must carry them over.
     h = keras.layers.BatchNormalization(momentum=0.9, epsilon=0.01, name="bn")(
-        keras.layers.Dense(3)(inputs))
+        keras.layers.Dense(3)(inputs)
+    )
     model = keras.Model(inputs, keras.layers.Dense(1)(h))
     rng = np.random.default_rng(4)
     bn = model.get_layer("bn")
@@ -164,8 +185,9 @@ def test_replace_batchnorm_layers_keeps_weights_and_inference_output():
     bn = swapped.get_layer("bn")
     assert isinstance(bn, gacli.AccumBatchNormalization) and bn.accum_steps == 3
     for name in ("gamma", "beta", "moving_mean", "moving_variance"):
-        np.testing.assert_array_equal(getattr(bn, name).numpy(),
-                                      getattr(model.get_layer("bn"), name).numpy())
+        np.testing.assert_array_equal(
+            getattr(bn, name).numpy(), getattr(model.get_layer("bn"), name).numpy()
+        )
     difference = float(np.max(np.abs(swapped.predict(x, verbose=0) - expected)))
     assert record(difference, "replace_batchnorm_layers[inference]") <= 1e-6
 
@@ -180,7 +202,8 @@ def test_replace_batchnorm_layers_is_apply_batchnorm_policy_accumulate():
     policy = gacli.apply_batchnorm_policy(model, "accumulate", 3)
     assert [type(layer) for layer in swapped.layers] == [type(layer) for layer in policy.layers]
     assert [layer.get_config() for layer in swapped.layers] == [
-        layer.get_config() for layer in policy.layers]
+        layer.get_config() for layer in policy.layers
+    ]
     original = model.get_layer("bn").get_config()
     assert swapped.get_layer("bn").get_config() == {**original, "accum_steps": 3}
     assert [weight.path for weight in swapped.weights] == [weight.path for weight in policy.weights]

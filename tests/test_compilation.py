@@ -2,6 +2,8 @@
 
 import keras
 import pytest
+
+import gacli
 from helpers import (
     MICRO,
     K,
@@ -12,8 +14,6 @@ from helpers import (
     max_weight_difference,
     mlp_layers,
 )
-
-import gacli
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness
@@ -45,6 +45,7 @@ def test_x1_compiled_training_equals_big_batch(wrapper, compile_options, name):
 def test_x2_one_trace_serves_accumulate_and_apply_steps(jit_compile):
     """The train function is traced once, yet some calls update and some only accumulate: the
     apply/accumulate decision is a graph conditional, not Python branching per micro-step."""
+
     class TraceCountingModel(gacli.GradientAccumulateModel):
         traces = 0
 

@@ -2,6 +2,7 @@
 
 import keras
 import pytest
+
 from helpers import (
     MICRO,
     K,

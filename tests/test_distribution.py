@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import record
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
@@ -18,11 +19,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _run_cases(*selection):
-    result = subprocess.run([sys.executable, os.path.join(HERE, "distributed_cases.py"),
-                             *selection], capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, os.path.join(HERE, "distributed_cases.py"), *selection],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
     assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(lines[0][len("RESULTS "):])
+    return json.loads(lines[0][len("RESULTS ") :])
 
 
 @pytest.fixture(scope="module")
@@ -35,30 +40,40 @@ def noise_scale_results():
     return _run_cases("noise-scale")
 
 
-CASES = [
-    f"{kind}-{optimizer}"
-    for kind in ("model-2replicas-ragged", "model-1replica-ragged", "optimizer-2replicas",
-                 "custom-loop-local-mean-2replicas-ragged", "custom-loop-keras-loss-2replicas-ragged",
-                 "custom-loop-compute-average-loss-2replicas-ragged",
-                 "model-2replicas-ragged-steps_per_execution")
-    for optimizer in ("momentum", "adam")
-] + [
-    f"{kind}-{clipping}"
-    for kind in ("model-2replicas-ragged", "optimizer-2replicas")
-    for clipping in ("momentum-global-clipnorm", "momentum-clipvalue", "sgd-agc")
-] + [
-    # Restored mid-window in new objects that never traced a micro-step, then applied: the
-    # window's normalisation and its variables come from saved state, not from a trace.
-    f"optimizer-2replicas-restored-{optimizer}"
-    for optimizer in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm")
-]
+CASES = (
+    [
+        f"{kind}-{optimizer}"
+        for kind in (
+            "model-2replicas-ragged",
+            "model-1replica-ragged",
+            "optimizer-2replicas",
+            "custom-loop-local-mean-2replicas-ragged",
+            "custom-loop-keras-loss-2replicas-ragged",
+            "custom-loop-compute-average-loss-2replicas-ragged",
+            "model-2replicas-ragged-steps_per_execution",
+        )
+        for optimizer in ("momentum", "adam")
+    ]
+    + [
+        f"{kind}-{clipping}"
+        for kind in ("model-2replicas-ragged", "optimizer-2replicas")
+        for clipping in ("momentum-global-clipnorm", "momentum-clipvalue", "sgd-agc")
+    ]
+    + [
+        # Restored mid-window in new objects that never traced a micro-step, then applied: the
+        # window's normalisation and its variables come from saved state, not from a trace.
+        f"optimizer-2replicas-restored-{optimizer}"
+        for optimizer in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm")
+    ]
+)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", ["noise-scale-2replicas-k1", "noise-scale-2replicas-k4"])
-def test_noise_scale_under_two_replicas_agrees_with_per_example_gradients(noise_scale_results,
-                                                                          case):
+def test_noise_scale_under_two_replicas_agrees_with_per_example_gradients(
+    noise_scale_results, case
+):
     """Each replica's micro-batch is a small batch, the window over both replicas the big one:
     |G|^2, tr(Sigma) and B_simple within 5% of the direct calculation (test_noise_scale.py)."""
     error = noise_scale_results[case]

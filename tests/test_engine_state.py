@@ -11,19 +11,21 @@ import pytest
 import tensorflow as tf
 
 import gacli
+from gacli.accumulate_model import AccumulatingModelWrapper
+from gacli.settings import AccumulationConfig
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness
-from gacli.accumulate_model import AccumulatingModelWrapper
-from gacli.settings import AccumulationConfig
 
 FEATURES = 4
 
 
 def _two_variables():
     keras.utils.set_random_seed(0)
-    return [keras.Variable(np.ones((FEATURES, 1), "float32"), name="w"),
-            keras.Variable(np.ones((1,), "float32"), name="frozen")]
+    return [
+        keras.Variable(np.ones((FEATURES, 1), "float32"), name="w"),
+        keras.Variable(np.ones((1,), "float32"), name="frozen"),
+    ]
 
 
 def test_a_restored_window_updates_only_the_variables_that_had_gradients(tmp_path):
@@ -35,7 +37,8 @@ def test_a_restored_window_updates_only_the_variables_that_had_gradients(tmp_pat
     def make():
         variables = _two_variables()
         optimizer = gacli.GradientAccumulateOptimizer(
-            keras.optimizers.AdamW(0.01, weight_decay=0.5), accum_steps=4)
+            keras.optimizers.AdamW(0.01, weight_decay=0.5), accum_steps=4
+        )
         optimizer.build(variables)
         return variables, optimizer
 
@@ -79,8 +82,9 @@ def test_fit_continues_is_a_visible_switch_and_a_second_fit_applies():
     y = x.sum(axis=1, keepdims=True)
     keras.utils.set_random_seed(0)
     inputs = keras.Input((FEATURES,))
-    model = gacli.GradientAccumulateModel(accum_steps=4, partial_window="carry", inputs=inputs,
-                                          outputs=keras.layers.Dense(1)(inputs))
+    model = gacli.GradientAccumulateModel(
+        accum_steps=4, partial_window="carry", inputs=inputs, outputs=keras.layers.Dense(1)(inputs)
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     optimizer = model.optimizer
     assert optimizer.fit_ends_training
@@ -110,10 +114,12 @@ def test_a_loss_scale_optimizer_around_the_accumulator_is_refused_with_the_fix()
         model.compile(optimizer=accumulator, loss="mse", auto_scale_loss=False)
         with pytest.raises(ValueError, match="LossScaleOptimizer"):
             keras.optimizers.LossScaleOptimizer(
-                gacli.GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2))
+                gacli.GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
+            )
         with pytest.raises(ValueError, match="LossScaleOptimizer"):
             gacli.GradientAccumulateOptimizer(
-                keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), accum_steps=2)
+                keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), accum_steps=2
+            )
     finally:
         keras.mixed_precision.set_global_policy(previous)
 
@@ -128,9 +134,16 @@ class _Subclassed(keras.Model):
 
 
 def test_functional_and_subclassed_models_take_the_same_settings():
-    settings = dict(accum_steps=3, mixed_precision=False, experimental_distributed_support=True,
-                    use_agc=True, clip_factor=0.02, partial_window="drop", nonfinite="stop",
-                    initial_scale=128.0)
+    settings = dict(
+        accum_steps=3,
+        mixed_precision=False,
+        experimental_distributed_support=True,
+        use_agc=True,
+        clip_factor=0.02,
+        partial_window="drop",
+        nonfinite="stop",
+        initial_scale=128.0,
+    )
     inputs = keras.Input((FEATURES,))
     functional = gacli.wrap_model(keras.Model(inputs, keras.layers.Dense(1)(inputs)), **settings)
     subclassed = gacli.wrap_model(_Subclassed(), **settings)
@@ -138,7 +151,10 @@ def test_functional_and_subclassed_models_take_the_same_settings():
     assert functional.accumulation_config == subclassed.accumulation_config
     config = functional.accumulation_config
     assert (config.accum_steps, config.partial_window, config.initial_scale) == (
-        3, gacli.PartialWindow.drop, 128.0)
+        3,
+        gacli.PartialWindow.drop,
+        128.0,
+    )
     for model in (functional, subclassed):
         model.compile(optimizer="sgd", loss="mse")
         # The model and its optimizer hold the same choices, as the same enum members.
@@ -156,16 +172,26 @@ def test_unknown_settings_say_which_exist():
 
 
 def test_the_settings_round_trip_through_get_config(tmp_path):
-    config = AccumulationConfig(accum_steps=4, reduction="mean", use_agc=True, clip_factor=0.05,
-                                partial_window="carry", nonfinite="skip_window",
-                                loss_scaling=True, initial_scale=64.0, dynamic_growth_steps=7)
+    config = AccumulationConfig(
+        accum_steps=4,
+        reduction="mean",
+        use_agc=True,
+        clip_factor=0.05,
+        partial_window="carry",
+        nonfinite="skip_window",
+        loss_scaling=True,
+        initial_scale=64.0,
+        dynamic_growth_steps=7,
+    )
     optimizer = gacli.GradientAccumulateOptimizer(keras.optimizers.Adam(0.01), config=config)
     again = gacli.GradientAccumulateOptimizer.from_config(optimizer.get_config())
     assert again.config == optimizer.config == config
     inputs = keras.Input((FEATURES,))
     model = gacli.GradientAccumulateModel(
-        inputs=inputs, outputs=keras.layers.Dense(1)(inputs),
-        config=config.replace(loss_normalization="window_weights", loss_scaling=None))
+        inputs=inputs,
+        outputs=keras.layers.Dense(1)(inputs),
+        config=config.replace(loss_normalization="window_weights", loss_scaling=None),
+    )
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     path = os.path.join(tmp_path, "model.keras")
     model.save(path)
@@ -177,8 +203,9 @@ def test_the_settings_round_trip_through_get_config(tmp_path):
 def test_the_older_readmes_agc_argument_is_use_agc():
     """The older package's README writes GradientAccumulateModel(accum_steps=4, agc=True, ...)."""
     inputs = keras.Input((FEATURES,))
-    model = gacli.GradientAccumulateModel(accum_steps=4, agc=True, inputs=inputs,
-                                          outputs=keras.layers.Dense(1)(inputs))
+    model = gacli.GradientAccumulateModel(
+        accum_steps=4, agc=True, inputs=inputs, outputs=keras.layers.Dense(1)(inputs)
+    )
     assert model.use_agc and model.accumulation_config.use_agc
     assert gacli.GradientAccumulateOptimizer("sgd", accum_steps=2, agc=True).use_agc
     with pytest.raises(ValueError, match="agc and use_agc"):

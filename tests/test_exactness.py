@@ -4,6 +4,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import gacli
 from helpers import (
     MICRO,
     K,
@@ -14,8 +16,6 @@ from helpers import (
     max_weight_difference,
     plain_model,
 )
-
-import gacli
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness
@@ -151,5 +151,7 @@ def test_closed_windows_leave_nothing_to_flush_at_epoch_ends(wrapper):
     assert int(accumulator.optimizer_step.numpy()) == 4
     model.fit(x[:80], y[:80], batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
     assert {kind for kind, _ in accumulator._window_functions} == {"flush"}
-    assert (int(accumulator.optimizer_step.numpy()), int(accumulator.window_micro_steps.numpy())) \
-        == (6, 0)
+    assert (
+        int(accumulator.optimizer_step.numpy()),
+        int(accumulator.window_micro_steps.numpy()),
+    ) == (6, 0)

@@ -6,12 +6,21 @@ import json
 import os
 
 import keras
-import numpy as np
 import pytest
-from helpers import (GNS_CLASSES, GNS_FEATURES, MICRO_GNS, event_tags, ga_train, noise_scale_data,
-                     noise_scale_run, run_dir_of, scalars)
 
 import gacli
+from helpers import (
+    GNS_CLASSES,
+    GNS_FEATURES,
+    MICRO_GNS,
+    event_tags,
+    ga_train,
+    noise_scale_data,
+    noise_scale_run,
+    run_dir_of,
+    scalars,
+)
+
 
 @pytest.fixture(scope="module")
 def clean_and_noisy():
@@ -26,9 +35,11 @@ def test_noise_scale_agrees_with_per_example_gradients(clean_and_noisy):
     estimated_grad_sq, estimated_trace = windows.mean(axis=0)
     direct = trace / grad_sq
     estimated = estimated_trace / estimated_grad_sq
-    print(f"direct |G|^2 {grad_sq:.4f} tr {trace:.4f} B_simple {direct:.2f}; engine "
-          f"{estimated_grad_sq:.4f} {estimated_trace:.4f} {estimated:.2f}; smoothed "
-          f"{summary['noise_scale']:.2f} over {summary['windows']} windows")
+    print(
+        f"direct |G|^2 {grad_sq:.4f} tr {trace:.4f} B_simple {direct:.2f}; engine "
+        f"{estimated_grad_sq:.4f} {estimated_trace:.4f} {estimated:.2f}; smoothed "
+        f"{summary['noise_scale']:.2f} over {summary['windows']} windows"
+    )
     assert summary["windows"] == len(windows) == 4 * 64  # 64 windows an epoch, the ragged one too
     assert estimated_grad_sq == pytest.approx(grad_sq, rel=0.05)
     assert estimated_trace == pytest.approx(trace, rel=0.05)
@@ -54,10 +65,16 @@ def test_no_estimate_without_two_batch_sizes():
     """accum_steps=1 on one device: the micro-batch is the window, there is nothing to compare."""
     x, y = noise_scale_data(1.5)
     inputs = keras.Input((GNS_FEATURES,))
-    model = gacli.GradientAccumulateModel(accum_steps=1, noise_scale=True, inputs=inputs,
-                                          outputs=keras.layers.Dense(GNS_CLASSES)(inputs))
-    model.compile(optimizer=keras.optimizers.SGD(0.0),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = gacli.GradientAccumulateModel(
+        accum_steps=1,
+        noise_scale=True,
+        inputs=inputs,
+        outputs=keras.layers.Dense(GNS_CLASSES)(inputs),
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     model.fit(x[:256], y[:256], batch_size=MICRO_GNS, epochs=1, verbose=0)
     assert model.optimizer.noise_scale()["windows"] == 0
     assert model.optimizer.noise_scale()["noise_scale"] == 0.0

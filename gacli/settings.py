@@ -162,10 +162,6 @@ class AccumulationConfig:
             for name, value in ((name, getattr(self, name)) for name in self.fields())
         }
 
-    @property
-    def checks_nonfinite(self):
-        return self.nonfinite is not None
-
 
 def shows_config_defaults(function):
     """Decorator: ``function``'s signature shows :class:`AccumulationConfig`'s default for each

@@ -183,6 +183,11 @@ def noise_scale_case(accum_steps):
     return max(noise_scale_errors(noise_scale_run(1.5, strategy=strategy, accum_steps=accum_steps)))
 
 
+# (replicas, samples, micro-batch per replica, accum_steps) of the 2-replica settings.
+RAGGED = (2, 70, 16, 2)
+FULL = (2, 128, 16, 2)
+
+
 def cases():
     """{case name: a function that measures it}."""
     found = {}
@@ -191,48 +196,17 @@ def cases():
         found[f"model-2replicas-ragged-{optimizer}"] = (fit_case, "model", optimizer, 2, 70, 16, 2)
         found[f"model-1replica-ragged-{optimizer}"] = (fit_case, "model", optimizer, 1, 70, 16, 4)
         # A plain model's fit() weighs micro-batches equally: full windows only.
-        found[f"optimizer-2replicas-{optimizer}"] = (
-            fit_case,
-            "optimizer",
-            optimizer,
-            2,
-            128,
-            16,
-            2,
-        )
+        found[f"optimizer-2replicas-{optimizer}"] = (fit_case, "optimizer", optimizer, *FULL)
         for style in ("local-mean", "keras-loss", "compute-average-loss"):
             found[f"custom-loop-{style}-2replicas-ragged-{optimizer}"] = (
-                custom_loop_case,
-                optimizer,
-                2,
-                70,
-                16,
-                2,
-                style,
-            )
+                custom_loop_case, optimizer, *RAGGED, style)  # fmt: skip
         # Several micro-batches a compiled call (gacli's own loop under several replicas): 3 does
         # not divide the epoch's 5 micro-batches, and windows of 2 straddle the calls.
         found[f"model-2replicas-ragged-steps_per_execution-{optimizer}"] = (
-            fit_case,
-            "model",
-            optimizer,
-            2,
-            150,
-            16,
-            2,
-            3,
-        )
+            fit_case, "model", optimizer, 2, 150, 16, 2, 3)  # fmt: skip
     for optimizer in ("momentum-global-clipnorm", "momentum-clipvalue", "sgd-agc"):
-        found[f"model-2replicas-ragged-{optimizer}"] = (fit_case, "model", optimizer, 2, 70, 16, 2)
-        found[f"optimizer-2replicas-{optimizer}"] = (
-            fit_case,
-            "optimizer",
-            optimizer,
-            2,
-            128,
-            16,
-            2,
-        )
+        found[f"model-2replicas-ragged-{optimizer}"] = (fit_case, "model", optimizer, *RAGGED)
+        found[f"optimizer-2replicas-{optimizer}"] = (fit_case, "optimizer", optimizer, *FULL)
     for optimizer in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm"):
         found[f"optimizer-2replicas-restored-{optimizer}"] = (restored_case, optimizer)
     for accum_steps in (1, 4):

@@ -18,6 +18,8 @@ Configurations, all on the same model, data pipeline, loss, metrics and SGD opti
 and two references outside the targets, to show where the time goes:
     A_spe            A with steps_per_execution=k: plain Keras with the same calls
     gacli_model_1    gacli_model with one micro-batch a call (Keras' default)
+    gacli_model_gns  gacli_model measuring the gradient noise scale (noise_scale=True): its
+                     paired ratio to gacli_model is the cost of ga-train's monitor.gns
 
 Writes results/<name>.md (medians, paired ratios, targets), results/<name>.json (every raw number)
 and results/<name>.png (paired ratio vs A per configuration).
@@ -49,36 +51,60 @@ CONFIGS = {
     "ga_train": "ga-train (CLI)",
     "A_spe": "A, steps_per_execution=k",
     "gacli_model_1": "gacli wrap_model, steps_per_execution=1",
+    "gacli_model_gns": "gacli wrap_model, noise_scale=True",
 }
 # The ways gacli is meant to be run: the targets are checked on these.
 GACLI_CONFIGS = ("gacli_model", "gacli_optimizer", "ga_train")
 # Configurations that run k micro-batches per compiled call.
-WINDOW_PER_CALL = ("A_spe", "gacli_model", "gacli_optimizer")
+WINDOW_PER_CALL = ("A_spe", "gacli_model", "gacli_optimizer", "gacli_model_gns")
 
 # Sizes of the full run; the window is counted in optimizer updates of k*b samples each.
 MODELS = {
     "unet": dict(
-        short="UNet", title="UNet 128x128x1, 4 levels, 16 base filters", task="segmentation",
-        input_shape=[128, 128, 1], num_outputs=1,
+        short="UNet",
+        title="UNet 128x128x1, 4 levels, 16 base filters",
+        task="segmentation",
+        input_shape=[128, 128, 1],
+        num_outputs=1,
         model={"name": "unet", "depth": 4, "base_filters": 16},
-        micro_batch_size=8, accum_steps=8, warmup_updates=2, measure_updates=4,
+        micro_batch_size=8,
+        accum_steps=8,
+        warmup_updates=2,
+        measure_updates=4,
     ),
     "mlp": dict(
-        short="MLP", title="MLP 784-512-256-10", task="classification",
-        input_shape=[784], num_outputs=10, model={"name": "mlp", "hidden_units": [512, 256]},
-        micro_batch_size=32, accum_steps=8, warmup_updates=2, measure_updates=80,
+        short="MLP",
+        title="MLP 784-512-256-10",
+        task="classification",
+        input_shape=[784],
+        num_outputs=10,
+        model={"name": "mlp", "hidden_units": [512, 256]},
+        micro_batch_size=32,
+        accum_steps=8,
+        warmup_updates=2,
+        measure_updates=80,
     ),
 }
 QUICK_MODELS = {
     "unet": dict(
-        MODELS["unet"], title="UNet 32x32x1, 2 levels, 4 base filters (quick)",
-        input_shape=[32, 32, 1], model={"name": "unet", "depth": 2, "base_filters": 4},
-        micro_batch_size=4, accum_steps=2, warmup_updates=2, measure_updates=4,
+        MODELS["unet"],
+        title="UNet 32x32x1, 2 levels, 4 base filters (quick)",
+        input_shape=[32, 32, 1],
+        model={"name": "unet", "depth": 2, "base_filters": 4},
+        micro_batch_size=4,
+        accum_steps=2,
+        warmup_updates=2,
+        measure_updates=4,
     ),
     "mlp": dict(
-        MODELS["mlp"], title="MLP 64-32-16-10 (quick)", input_shape=[64],
+        MODELS["mlp"],
+        title="MLP 64-32-16-10 (quick)",
+        input_shape=[64],
         model={"name": "mlp", "hidden_units": [32, 16]},
-        micro_batch_size=8, accum_steps=2, warmup_updates=2, measure_updates=8,
+        micro_batch_size=8,
+        accum_steps=2,
+        warmup_updates=2,
+        measure_updates=8,
     ),
 }
 LEARNING_RATE = 0.01
@@ -109,8 +135,7 @@ def rss_high_water_mark(reset=False):
     /proc is missing. ``reset``: start a new high-water mark after reading this one."""
     try:
         with open("/proc/self/status") as handle:
-            peak = next(int(line.split()[1]) * 1024 for line in handle
-                        if line.startswith("VmHWM:"))
+            peak = next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:"))
     except (OSError, StopIteration):
         return None
     if reset:
@@ -191,20 +216,27 @@ def build_library_config(spec):
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).repeat()
 
     keras.utils.set_random_seed(spec["seed"])
-    model = build_model(ModelConfig(**spec["model"]), tuple(spec["input_shape"]),
-                        spec["num_outputs"], spec["task"])
+    model = build_model(
+        ModelConfig(**spec["model"]), tuple(spec["input_shape"]), spec["num_outputs"], spec["task"]
+    )
     loss, metrics = loss_and_metrics(spec["task"], spec["num_outputs"])
     if name == "C":
         optimizer = keras.optimizers.SGD(LEARNING_RATE, gradient_accumulation_steps=k)
     elif name == "gacli_optimizer":
-        optimizer = gacli.GradientAccumulateOptimizer(keras.optimizers.SGD(LEARNING_RATE),
-                                                      accum_steps=k)
+        optimizer = gacli.GradientAccumulateOptimizer(
+            keras.optimizers.SGD(LEARNING_RATE), accum_steps=k
+        )
     else:
         optimizer = keras.optimizers.SGD(LEARNING_RATE)
-    if name in ("gacli_model", "gacli_model_1"):
-        model = gacli.wrap_model(model, accum_steps=k)
-    model.compile(optimizer=optimizer, loss=loss, metrics=metrics, jit_compile=spec["jit"],
-                  steps_per_execution=k if name in WINDOW_PER_CALL else 1)
+    if name in ("gacli_model", "gacli_model_1", "gacli_model_gns"):
+        model = gacli.wrap_model(model, accum_steps=k, noise_scale=name == "gacli_model_gns")
+    model.compile(
+        optimizer=optimizer,
+        loss=loss,
+        metrics=metrics,
+        jit_compile=spec["jit"],
+        steps_per_execution=k if name in WINDOW_PER_CALL else 1,
+    )
     return model, data, batch_size
 
 
@@ -222,14 +254,25 @@ def run_library_config(spec, timer_window):
         return model.optimizer.iterations.numpy()
 
     warmup_steps, measure_steps = (
-        timer_window["warmup_samples"] // batch_size, timer_window["measure_samples"] // batch_size
+        timer_window["warmup_samples"] // batch_size,
+        timer_window["measure_samples"] // batch_size,
     )
     timer = WindowTimer(warmup_steps - 1, warmup_steps + measure_steps - 1, read_updates)
     rss_before_fit = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    model.fit(data, epochs=1, steps_per_epoch=warmup_steps + measure_steps, verbose=0,
-              callbacks=[timer_callback(timer)])
-    return dict(timer.figures(), params=model.count_params(), batch_size=batch_size,
-                samples=measure_steps * batch_size, rss_before_fit_bytes=rss_before_fit)
+    model.fit(
+        data,
+        epochs=1,
+        steps_per_epoch=warmup_steps + measure_steps,
+        verbose=0,
+        callbacks=[timer_callback(timer)],
+    )
+    return dict(
+        timer.figures(),
+        params=model.count_params(),
+        batch_size=batch_size,
+        samples=measure_steps * batch_size,
+        rss_before_fit_bytes=rss_before_fit,
+    )
 
 
 def run_ga_train(spec, timer_window, job_dir):
@@ -256,8 +299,11 @@ def run_ga_train(spec, timer_window, job_dir):
     class TimedProgress(gacli.train.ProgressCallback):
         def __init__(self, console, mode, plan, accumulator, *args, **kwargs):
             super().__init__(console, mode, plan, accumulator, *args, **kwargs)
-            self.timer = WindowTimer(warmup_steps - 1, warmup_steps + measure_steps - 1,
-                                     lambda: accumulator.optimizer_step.numpy())
+            self.timer = WindowTimer(
+                warmup_steps - 1,
+                warmup_steps + measure_steps - 1,
+                lambda: accumulator.optimizer_step.numpy(),
+            )
             found["timer"] = self.timer
 
         def on_train_begin(self, logs=None):
@@ -275,27 +321,44 @@ def run_ga_train(spec, timer_window, job_dir):
     gacli.train.ProgressCallback = TimedProgress
     model_overrides = [f"model={spec['model']['name']}"] + [
         f"model.{key}={json.dumps(value).replace(' ', '')}"
-        for key, value in spec["model"].items() if key != "name"
+        for key, value in spec["model"].items()
+        if key != "name"
     ]
     overrides = model_overrides + [
-        "dataset=npz", f"dataset.path={data_path}", "dataset.validation_split=0",
-        "dataset.shuffle=false", f"dataset.num_classes={spec['num_outputs']}",
-        "optimizer=sgd", f"optimizer.learning_rate={LEARNING_RATE}",
-        f"micro_batch_size={micro}", f"accum_steps={k}", "epochs=1",
+        "dataset=npz",
+        f"dataset.path={data_path}",
+        "dataset.validation_split=0",
+        "dataset.shuffle=false",
+        f"dataset.num_classes={spec['num_outputs']}",
+        "optimizer=sgd",
+        f"optimizer.learning_rate={LEARNING_RATE}",
+        f"micro_batch_size={micro}",
+        f"accum_steps={k}",
+        "epochs=1",
         f"steps_per_epoch={(warmup_steps + measure_steps) // k}",
-        f"jit_compile={str(spec['jit']).lower()}", "progress=none", "checkpoint=false",
-        f"seed={spec['seed']}", f"hydra.run.dir={os.path.join(job_dir, 'run')}",
+        f"jit_compile={str(spec['jit']).lower()}",
+        "progress=none",
+        "checkpoint=false",
+        f"seed={spec['seed']}",
+        f"hydra.run.dir={os.path.join(job_dir, 'run')}",
     ]
     rss_before_fit = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     status = gacli.cli.main(overrides)
     if status:
         raise RuntimeError(f"ga-train exited with status {status}")
     if "timer" not in found:
-        raise RuntimeError("train() created no gacli.train.ProgressCallback, which the timer "
-                           "rides in; update run_ga_train in bench.py")
-    return dict(found["timer"].figures(), params=found["params"], batch_size=micro,
-                samples=measure_steps * micro, rss_before_fit_bytes=rss_before_fit,
-                overrides=overrides)
+        raise RuntimeError(
+            "train() created no gacli.train.ProgressCallback, which the timer "
+            "rides in; update run_ga_train in bench.py"
+        )
+    return dict(
+        found["timer"].figures(),
+        params=found["params"],
+        batch_size=micro,
+        samples=measure_steps * micro,
+        rss_before_fit_bytes=rss_before_fit,
+        overrides=overrides,
+    )
 
 
 def run_worker(spec):
@@ -305,8 +368,10 @@ def run_worker(spec):
     tf.config.threading.set_intra_op_parallelism_threads(spec["threads"])
     tf.config.threading.set_inter_op_parallelism_threads(spec["threads"])
     window_samples = spec["micro_batch_size"] * spec["accum_steps"]
-    timer_window = {"warmup_samples": spec["warmup_updates"] * window_samples,
-                    "measure_samples": spec["measure_updates"] * window_samples}
+    timer_window = {
+        "warmup_samples": spec["warmup_updates"] * window_samples,
+        "measure_samples": spec["measure_updates"] * window_samples,
+    }
     if spec["config"] == "ga_train":
         figures = run_ga_train(spec, timer_window, spec["job_dir"])
     else:
@@ -320,10 +385,12 @@ def run_worker(spec):
         # ru_maxrss (KiB on Linux) restarts with the timer's reset, and with train()'s at a job's
         # start: the process's peak is the largest of the peaks before fit, the warm-up's, the
         # window's and the rest's.
-        peak_rss_bytes=max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                           figures["rss_before_fit_bytes"],
-                           figures["warmup_peak_rss_bytes"] or 0,
-                           figures["window_peak_rss_bytes"] or 0),
+        peak_rss_bytes=max(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            figures["rss_before_fit_bytes"],
+            figures["warmup_peak_rss_bytes"] or 0,
+            figures["window_peak_rss_bytes"] or 0,
+        ),
         device_peak_bytes=device_peak,
     )
     with open(spec["result_path"], "w") as handle:
@@ -336,8 +403,14 @@ def run_worker(spec):
 
 def worker_env(threads, full_errors=True):
     """The same environment for every process; ``full_errors``: tracebacks from ga-train too."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED="0", KERAS_BACKEND="tensorflow",
-               OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONHASHSEED="0",
+        KERAS_BACKEND="tensorflow",
+        OMP_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("TF_XLA_FLAGS", None)
     env.pop("HYDRA_FULL_ERROR", None)
     if full_errors:
@@ -362,15 +435,30 @@ def run_job(spec, work_dir, threads, timeout_s):
     record = {key: spec[key] for key in ("rep", "model_key", "jit", "config")}
     started = time.perf_counter()
     try:
-        done = subprocess.run(command, cwd=job_dir, env=worker_env(threads), capture_output=True,
-                              text=True, timeout=timeout_s)
+        done = subprocess.run(
+            command,
+            cwd=job_dir,
+            env=worker_env(threads),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
-        return dict(record, status="failed", error=f"timed out after {timeout_s} s",
-                    process_s=time.perf_counter() - started)
+        return dict(
+            record,
+            status="failed",
+            error=f"timed out after {timeout_s} s",
+            process_s=time.perf_counter() - started,
+        )
     record["process_s"] = time.perf_counter() - started
     if done.returncode != 0 or not os.path.exists(spec["result_path"]):
-        return dict(record, status="failed", error=failure_reason(done.stderr),
-                    returncode=done.returncode, stderr_tail=done.stderr.splitlines()[-20:])
+        return dict(
+            record,
+            status="failed",
+            error=failure_reason(done.stderr),
+            returncode=done.returncode,
+            stderr_tail=done.stderr.splitlines()[-20:],
+        )
     with open(spec["result_path"]) as handle:
         return dict(record, status="ok", **json.load(handle))
 
@@ -385,19 +473,30 @@ def ga_train_command():
 def time_startup(kind, rep, work_dir, threads):
     """Wall time of one ga-train --help or config error, in a fresh process."""
     started = time.perf_counter()
-    done = subprocess.run(ga_train_command() + STARTUP_COMMANDS[kind], cwd=work_dir,
-                          env=worker_env(threads, full_errors=False), capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        ga_train_command() + STARTUP_COMMANDS[kind],
+        cwd=work_dir,
+        env=worker_env(threads, full_errors=False),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     wall = time.perf_counter() - started
     output = (done.stdout if kind == "help" else done.stderr).strip().splitlines()
-    return {"rep": rep, "kind": kind, "wall_s": wall, "returncode": done.returncode,
-            "first_line": output[0] if output else ""}
+    return {
+        "rep": rep,
+        "kind": kind,
+        "wall_s": wall,
+        "returncode": done.returncode,
+        "first_line": output[0] if output else "",
+    }
 
 
 def paired(runs, rep_key, numerator, denominator, field="samples_per_s"):
     """Per-repetition ratios numerator/denominator (same model, jit and repetition)."""
-    by_key = {(r["rep"], r["model_key"], r["jit"], r["config"]): r
-              for r in runs if r["status"] == "ok"}
+    by_key = {
+        (r["rep"], r["model_key"], r["jit"], r["config"]): r for r in runs if r["status"] == "ok"
+    }
     ratios = []
     for rep in sorted({r["rep"] for r in runs}):
         top = by_key.get((rep,) + rep_key + (numerator,))
@@ -413,16 +512,25 @@ def summarise(runs, models, jits, configs):
     for model_key in models:
         for jit in jits:
             for config in configs:
-                mine = [r for r in runs
-                        if (r["model_key"], r["jit"], r["config"]) == (model_key, jit, config)]
+                mine = [
+                    r
+                    for r in runs
+                    if (r["model_key"], r["jit"], r["config"]) == (model_key, jit, config)
+                ]
                 ok = [r for r in mine if r["status"] == "ok"]
                 row = {"reps_ok": len(ok), "reps": len(mine)}
                 if not ok:
                     errors = [r.get("error", "") for r in mine]
                     row["error"] = errors[-1] if errors else "not run"
                 else:
-                    for field in ("samples_per_s", "cpu_ms_per_sample", "peak_rss_bytes",
-                                  "warmup_s", "wall_s", "window_peak_rss_bytes"):
+                    for field in (
+                        "samples_per_s",
+                        "cpu_ms_per_sample",
+                        "peak_rss_bytes",
+                        "warmup_s",
+                        "wall_s",
+                        "window_peak_rss_bytes",
+                    ):
                         values = [r.get(field) for r in ok if r.get(field) is not None]
                         row[field] = statistics.median(values) if values else None
                     device = [r["device_peak_bytes"] for r in ok if r["device_peak_bytes"]]
@@ -432,8 +540,11 @@ def summarise(runs, models, jits, configs):
                     row["updates_in_window"] = sorted({r["updates_in_window"] for r in ok})
                     if len(ok) < len(mine):
                         row["error"] = next(r["error"] for r in mine if r["status"] != "ok")
-                    for name, field in (("vs_A", "samples_per_s"), ("rss_vs_A", "peak_rss_bytes"),
-                                        ("window_rss_vs_A", "window_peak_rss_bytes")):
+                    for name, field in (
+                        ("vs_A", "samples_per_s"),
+                        ("rss_vs_A", "peak_rss_bytes"),
+                        ("window_rss_vs_A", "window_peak_rss_bytes"),
+                    ):
                         ratios = paired(runs, (model_key, jit), config, "A", field)
                         row[name] = ratios
                 summary[(model_key, jit, config)] = row
@@ -467,7 +578,8 @@ def evaluate_targets(runs, summary, models, jits, startup):
                 ("peak RSS <= 1.05x A", "A", 1.05, "peak_rss_bytes", lambda v, t: v <= t),
             ):
                 measure = lambda c, ref=reference, f=field, j=jit: _median(  # noqa: E731
-                    paired(runs, ("unet", j), c, ref, f))
+                    paired(runs, ("unet", j), c, ref, f)
+                )
                 measured, met = gacli_rows("unet", jit, measure, threshold, compare)
                 targets.append((f"UNet, {label}: gacli {title}", measured, met))
         if "mlp" in models:
@@ -476,20 +588,45 @@ def evaluate_targets(runs, summary, models, jits, startup):
             targets.append((f"MLP, {label}: gacli samples/s >= 0.75x B", measured, met))
     if True in jits:
         for model_key in models:
-            ratios = {c: _median(paired(runs, (model_key, True), c, "A"))
-                      for c in GACLI_CONFIGS if (model_key, True, c) in summary}
+            ratios = {
+                c: _median(paired(runs, (model_key, True), c, "A"))
+                for c in GACLI_CONFIGS
+                if (model_key, True, c) in summary
+            }
             ratios = {c: v for c, v in ratios.items() if v is not None}
             if ratios:
                 worst = min(ratios, key=ratios.get)
                 short = MODELS[model_key]["short"]
-                targets.append((f"{short}, jit on: every gacli config >= 0.9x A (jit)",
-                                f"lowest {worst} {ratios[worst]:.2f}x", ratios[worst] >= 0.9))
+                targets.append(
+                    (
+                        f"{short}, jit on: every gacli config >= 0.9x A (jit)",
+                        f"lowest {worst} {ratios[worst]:.2f}x",
+                        ratios[worst] >= 0.9,
+                    )
+                )
+    for model_key in models:
+        for jit in jits:
+            cost = _median(paired(runs, (model_key, jit), "gacli_model_gns", "gacli_model"))
+            if cost is not None:
+                targets.append(
+                    (
+                        f"{MODELS[model_key]['short']}, jit {'on' if jit else 'off'}: "
+                        "noise_scale costs <= 2% (gacli_model_gns / gacli_model >= 0.98)",
+                        f"{cost:.3f}x",
+                        cost >= 0.98,
+                    )
+                )
     for kind, command in STARTUP_COMMANDS.items():
         walls = [s["wall_s"] for s in startup if s["kind"] == kind]
         if walls:
             median = statistics.median(walls)
-            targets.append((f"ga-train {' '.join(command)} < {STARTUP_TARGET_S:.0f} s",
-                            f"{median:.2f} s", median < STARTUP_TARGET_S))
+            targets.append(
+                (
+                    f"ga-train {' '.join(command)} < {STARTUP_TARGET_S:.0f} s",
+                    f"{median:.2f} s",
+                    median < STARTUP_TARGET_S,
+                )
+            )
     return targets
 
 
@@ -545,11 +682,16 @@ def markdown_report(meta, summary, targets, startup, models, jits, configs):
             for config in configs:
                 row = summary[(model_key, jit, config)]
                 if not row["reps_ok"]:
-                    lines.append(f"| {CONFIGS[config]} | - | - | - | - | - | - | - | - | - | - "
-                                 f"| - | failed: {row['error']} |")
+                    lines.append(
+                        f"| {CONFIGS[config]} | - | - | - | - | - | - | - | - | - | - "
+                        f"| - | failed: {row['error']} |"
+                    )
                     continue
-                status = "ok" if row["reps_ok"] == row["reps"] else (
-                    f"{row['reps_ok']}/{row['reps']} ok; failed: {row['error']}")
+                status = (
+                    "ok"
+                    if row["reps_ok"] == row["reps"]
+                    else (f"{row['reps_ok']}/{row['reps']} ok; failed: {row['error']}")
+                )
                 lines.append(
                     f"| {CONFIGS[config]} | {'/'.join(f'{p:,}' for p in row['params'])} "
                     f"| {row['samples_per_s']:,.1f} | {_ratio(row['vs_A'])} "
@@ -561,18 +703,27 @@ def markdown_report(meta, summary, targets, startup, models, jits, configs):
                 )
             params = {p for c in configs for p in summary[(model_key, jit, c)].get("params", [])}
             samples = {s for c in configs for s in summary[(model_key, jit, c)].get("samples", [])}
-            lines += ["", f"Parameter counts {'match' if len(params) <= 1 else 'DIFFER'}; samples "
-                          f"in the timed window {'equal' if len(samples) <= 1 else 'DIFFER'}."]
-    lines += ["", "## ga-train start-up", "",
-              "| command | median s | min-max s | exit code | first line |",
-              "|---|---:|---:|---:|---|"]
+            lines += [
+                "",
+                f"Parameter counts {'match' if len(params) <= 1 else 'DIFFER'}; samples "
+                f"in the timed window {'equal' if len(samples) <= 1 else 'DIFFER'}.",
+            ]
+    lines += [
+        "",
+        "## ga-train start-up",
+        "",
+        "| command | median s | min-max s | exit code | first line |",
+        "|---|---:|---:|---:|---|",
+    ]
     for kind, command in STARTUP_COMMANDS.items():
         mine = [s for s in startup if s["kind"] == kind]
         if mine:
             walls = [s["wall_s"] for s in mine]
-            lines.append(f"| ga-train {' '.join(command)} | {statistics.median(walls):.2f} | "
-                         f"{min(walls):.2f}-{max(walls):.2f} | {mine[-1]['returncode']} | "
-                         f"{mine[-1]['first_line'][:80]} |")
+            lines.append(
+                f"| ga-train {' '.join(command)} | {statistics.median(walls):.2f} | "
+                f"{min(walls):.2f}-{max(walls):.2f} | {mine[-1]['returncode']} | "
+                f"{mine[-1]['first_line'][:80]} |"
+            )
     met_text = {True: "yes", False: "**no**", None: "not measured"}
     lines += ["", "## Targets", "", "| target | measured (paired medians) | met |", "|---|---|---|"]
     lines += [f"| {title} | {measured} | {met_text[met]} |" for title, measured, met in targets]
@@ -594,8 +745,15 @@ def draw_chart(path, meta, summary, models, jits, configs):
         for group_index, key in enumerate(groups):
             ratios = summary[key + (config,)].get("vs_A") or []
             if not ratios:
-                axes.text(group_index + (index - len(configs) / 2 + 0.5) * width, 0.02, "failed",
-                          rotation=90, ha="center", va="bottom", fontsize=7)
+                axes.text(
+                    group_index + (index - len(configs) / 2 + 0.5) * width,
+                    0.02,
+                    "failed",
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
                 continue
             median = statistics.median(ratios)
             positions.append(group_index + (index - len(configs) / 2 + 0.5) * width)
@@ -623,18 +781,26 @@ def parse_args(argv=None):
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--jit", choices=["off", "on", "both"], default="both")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny models and windows: a smoke test")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny models and windows: a smoke test"
+    )
     parser.add_argument("--out", help="result name (default: full, or quick with --quick)")
     parser.add_argument("--results-dir", default=str(HERE / "results"))
     parser.add_argument("--measure-updates", type=int, help="optimizer updates in the timed window")
     parser.add_argument("--warmup-updates", type=int, help="optimizer updates before the window")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(),
-                        help="TF intra- and inter-op threads, the same for every configuration")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count(),
+        help="TF intra- and inter-op threads, the same for every configuration",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--render", metavar="JSON",
-                        help="rewrite the table and chart of an earlier run from its raw JSON")
+    parser.add_argument(
+        "--render",
+        metavar="JSON",
+        help="rewrite the table and chart of an earlier run from its raw JSON",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reps is None:
@@ -661,12 +827,26 @@ def run_all(args):
         spec["warmup_updates"] = args.warmup_updates or spec["warmup_updates"]
     jits = {"off": [False], "on": [True], "both": [False, True]}[args.jit]
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    meta = dict(versions(), name=args.out, date=now,
-                cpu_count=os.cpu_count(), threads=args.threads, reps=args.reps, quick=args.quick,
-                seed=args.seed, python=platform.python_version(), machine=platform.machine(),
-                argv=sys.argv[1:], models=models)
-    jobs = [dict(spec, model_key=key, jit=jit, config=config, seed=args.seed, threads=args.threads)
-            for key, spec in models.items() for jit in jits for config in args.configs]
+    meta = dict(
+        versions(),
+        name=args.out,
+        date=now,
+        cpu_count=os.cpu_count(),
+        threads=args.threads,
+        reps=args.reps,
+        quick=args.quick,
+        seed=args.seed,
+        python=platform.python_version(),
+        machine=platform.machine(),
+        argv=sys.argv[1:],
+        models=models,
+    )
+    jobs = [
+        dict(spec, model_key=key, jit=jit, config=config, seed=args.seed, threads=args.threads)
+        for key, spec in models.items()
+        for jit in jits
+        for config in args.configs
+    ]
     runs, startup = [], []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gacli-bench-") as work_dir:
@@ -678,21 +858,30 @@ def run_all(args):
                 if "startup" in job:
                     result = time_startup(job["startup"], rep, work_dir, args.threads)
                     startup.append(result)
-                    print(f"{prefix} ga-train {' '.join(STARTUP_COMMANDS[job['startup']])}: "
-                          f"{result['wall_s']:.2f} s, exit {result['returncode']}", flush=True)
+                    print(
+                        f"{prefix} ga-train {' '.join(STARTUP_COMMANDS[job['startup']])}: "
+                        f"{result['wall_s']:.2f} s, exit {result['returncode']}",
+                        flush=True,
+                    )
                     continue
                 result = run_job(dict(job, rep=rep), work_dir, args.threads, args.timeout)
                 runs.append(result)
                 what = f"{job['model_key']} jit={'on' if job['jit'] else 'off'} {job['config']}"
                 if result["status"] == "ok":
-                    print(f"{prefix} {what}: {result['samples_per_s']:,.1f} samples/s, "
-                          f"process {result['process_s']:.0f} s", flush=True)
+                    print(
+                        f"{prefix} {what}: {result['samples_per_s']:,.1f} samples/s, "
+                        f"process {result['process_s']:.0f} s",
+                        flush=True,
+                    )
                 else:
                     print(f"{prefix} {what}: failed: {result['error']}", flush=True)
             if rep == 1 and args.reps > 1:
                 per_rep = time.perf_counter() - started
-                print(f"one repetition took {per_rep:.0f} s; about "
-                      f"{per_rep * (args.reps - 1) / 60:.0f} min to go", flush=True)
+                print(
+                    f"one repetition took {per_rep:.0f} s; about "
+                    f"{per_rep * (args.reps - 1) / 60:.0f} min to go",
+                    flush=True,
+                )
     meta["total_s"] = time.perf_counter() - started
     return meta, runs, startup
 
@@ -709,8 +898,12 @@ def write_reports(meta, runs, startup, results_dir):
     results_dir.mkdir(parents=True, exist_ok=True)
     base = results_dir / meta["name"]
     base.with_suffix(".md").write_text(report)
-    raw = {"meta": meta, "runs": runs, "startup": startup,
-           "targets": [{"target": t, "measured": m, "met": met} for t, m, met in targets]}
+    raw = {
+        "meta": meta,
+        "runs": runs,
+        "startup": startup,
+        "targets": [{"target": t, "measured": m, "met": met} for t, m, met in targets],
+    }
     base.with_suffix(".json").write_text(json.dumps(raw, indent=1))
     print("\n" + report)
     try:

@@ -26,31 +26,53 @@ MICRO_BATCH_SIZE = 8  # the recipe's
 
 def overrides(policy, k):
     if policy.startswith("big_batch_"):
-        return ["accum_steps=1", f"micro_batch_size={MICRO_BATCH_SIZE * k}",
-                f"batchnorm={policy[len('big_batch_'):]}"]
+        return [
+            "accum_steps=1",
+            f"micro_batch_size={MICRO_BATCH_SIZE * k}",
+            f"batchnorm={policy[len('big_batch_') :]}",
+        ]
     return [f"accum_steps={k}", f"batchnorm={policy}"]
 
 
 def run(policy, k, extra):
-    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), "config=unet.yaml",
-               *overrides(policy, k), "progress=none", "checkpoint=false", *extra]
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "ga-train"),
+        "config=unet.yaml",
+        *overrides(policy, k),
+        "progress=none",
+        "checkpoint=false",
+        *extra,
+    ]
     with tempfile.TemporaryDirectory() as directory:
         started = time.perf_counter()
-        result = subprocess.run(command, cwd=directory, capture_output=True, text=True,
-                                env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        result = subprocess.run(
+            command,
+            cwd=directory,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        )
         seconds = time.perf_counter() - started
         if result.returncode:
             raise SystemExit(f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}")
         (found,) = Path(directory).glob("outputs/*/*/result.json")
         final = json.loads(found.read_text())
-    return {"policy": policy, "k": k, "command": " ".join(command[1:]),
-            "val_iou": final["val_iou"], "train_iou": final["iou"], "seconds": round(seconds, 1)}
+    return {
+        "policy": policy,
+        "k": k,
+        "command": " ".join(command[1:]),
+        "val_iou": final["val_iou"],
+        "train_iou": final["iou"],
+        "seconds": round(seconds, 1),
+    }
 
 
 def table(cells, policies, ks):
     by_key = {(cell["policy"], cell["k"]): cell for cell in cells}
-    lines = ["| policy | " + " | ".join(f"k={k}: val IoU, time" for k in ks) + " |",
-             "|---|" + "---:|" * len(ks)]
+    lines = [
+        "| policy | " + " | ".join(f"k={k}: val IoU, time" for k in ks) + " |",
+        "|---|" + "---:|" * len(ks),
+    ]
     for policy in policies:
         row = []
         for k in ks:
@@ -62,9 +84,11 @@ def table(cells, policies, ks):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policies", nargs="+",
-                        default=["keep", "accumulate", "precise", "big_batch_keep",
-                                 "big_batch_precise"])
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["keep", "accumulate", "precise", "big_batch_keep", "big_batch_precise"],
+    )
     parser.add_argument("--k", nargs="+", type=int, default=[4, 8, 16])
     parser.add_argument("--out", default="bn_policies")
     parser.add_argument("extra", nargs="*", help="more ga-train overrides for every run")
@@ -83,7 +107,8 @@ def main():
         "UNet recipe (`ga-train config=unet.yaml`), final val IoU and wall time of the whole "
         "command, by batch-norm policy and accum_steps k (micro-batch 8, effective batch 8k; "
         "`big_batch_<policy>`: accum_steps=1, micro_batch_size=8k).\n\n"
-        + table(cells, policies, ks) + "\n"
+        + table(cells, policies, ks)
+        + "\n"
     )
 
 

@@ -76,8 +76,9 @@ def main():
     def fused():
         total = None
         for index in range(K):
-            part = gradients(x[index * MICRO:(index + 1) * MICRO],
-                             y[index * MICRO:(index + 1) * MICRO])
+            part = gradients(
+                x[index * MICRO : (index + 1) * MICRO], y[index * MICRO : (index + 1) * MICRO]
+            )
             total = part if total is None else [a + b for a, b in zip(total, part)]
         optimizer.apply([g / K for g in total], model.trainable_variables)
 
@@ -85,18 +86,19 @@ def main():
     def looped():
         def body(index, total):
             start = index * MICRO
-            part = gradients(x[start:start + MICRO], y[start:start + MICRO])
+            part = gradients(x[start : start + MICRO], y[start : start + MICRO])
             return index + 1, [a + b for a, b in zip(total, part)]
 
         zeros = [tf.zeros_like(v) for v in model.trainable_variables]
-        _, total = tf.while_loop(lambda index, _: index < K, body, (tf.constant(0), zeros),
-                                 parallel_iterations=1)
+        _, total = tf.while_loop(
+            lambda index, _: index < K, body, (tf.constant(0), zeros), parallel_iterations=1
+        )
         optimizer.apply([g / K for g in total], model.trainable_variables)
 
     @tf.function(jit_compile=args.jit)
     def micro_step(index):
         start = index * MICRO
-        part = gradients(x[start:start + MICRO], y[start:start + MICRO])
+        part = gradients(x[start : start + MICRO], y[start : start + MICRO])
         for accumulator, gradient in zip(accumulators, part):
             accumulator.assign_add(gradient)
 
@@ -114,7 +116,7 @@ def main():
     @tf.function(jit_compile=args.jit)
     def micro_gradients(index):
         start = index * MICRO
-        return gradients(x[start:start + MICRO], y[start:start + MICRO])
+        return gradients(x[start : start + MICRO], y[start : start + MICRO])
 
     @tf.function(jit_compile=args.jit)
     def big_gradients():
@@ -135,8 +137,15 @@ def main():
         for _ in range(K):
             add_gradient(ready)
 
-    variants = {"big": big, "fused": fused, "looped": looped, "per-call": per_call,
-                "grads-32": grads_32, "grads-256": big_gradients, "add-8": add_8}
+    variants = {
+        "big": big,
+        "fused": fused,
+        "looped": looped,
+        "per-call": per_call,
+        "grads-32": grads_32,
+        "grads-256": big_gradients,
+        "add-8": add_8,
+    }
     for run in variants.values():  # trace and warm up
         run()
     times = {name: [] for name in variants}
@@ -148,17 +157,23 @@ def main():
             model.trainable_variables[0].numpy()  # wait for the last step
             times[name].append((time.perf_counter() - start) / (args.windows * MICRO * K))
     medians = {name: statistics.median(values) for name, values in times.items()}
-    print(f"MLP 784-512-256-10, micro {MICRO} x {K} vs batch {MICRO * K}, jit_compile={args.jit},"
-          f" {args.repeats} interleaved repeats of {args.windows} windows")
+    print(
+        f"MLP 784-512-256-10, micro {MICRO} x {K} vs batch {MICRO * K}, jit_compile={args.jit},"
+        f" {args.repeats} interleaved repeats of {args.windows} windows"
+    )
     for name, value in medians.items():
         print(f"  {name:9s} {value * 1e6:8.1f} us/sample   {medians['big'] / value:5.2f}x big")
-    print(f"fused / big samples/s: {medians['big'] / medians['fused']:.2f} "
-          "(the ceiling for accumulation at micro-batch 32 on this machine)")
+    print(
+        f"fused / big samples/s: {medians['big'] / medians['fused']:.2f} "
+        "(the ceiling for accumulation at micro-batch 32 on this machine)"
+    )
     window = {name: value * MICRO * K * 1e3 for name, value in medians.items()}
-    print(f"per window of {MICRO * K}: big {window['big']:.2f} ms = forward/backward "
-          f"{window['grads-256']:.2f} ms + update; per-call {window['per-call']:.2f} ms = "
-          f"8 forward/backward of {MICRO} {window['grads-32']:.2f} ms + 8 additions into the "
-          f"accumulators {window['add-8']:.2f} ms + update and calls")
+    print(
+        f"per window of {MICRO * K}: big {window['big']:.2f} ms = forward/backward "
+        f"{window['grads-256']:.2f} ms + update; per-call {window['per-call']:.2f} ms = "
+        f"8 forward/backward of {MICRO} {window['grads-32']:.2f} ms + 8 additions into the "
+        f"accumulators {window['add-8']:.2f} ms + update and calls"
+    )
 
 
 if __name__ == "__main__":

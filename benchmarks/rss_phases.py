@@ -66,8 +66,13 @@ def worker(spec):
 
     bench.rss_high_water_mark(reset=True)
     phases["start"] = rss_now()
-    model.fit(data, epochs=1, steps_per_epoch=model.steps_per_execution + 4 * steps_per_window,
-              verbose=0, callbacks=[Phases()])
+    model.fit(
+        data,
+        epochs=1,
+        steps_per_epoch=model.steps_per_execution + 4 * steps_per_window,
+        verbose=0,
+        callbacks=[Phases()],
+    )
     phases["window"] = bench.rss_high_water_mark()
     return phases
 
@@ -91,34 +96,48 @@ def main(argv=None):
         for model_key in args.models:
             for jit in jits:
                 for config in CONFIGS:
-                    spec = dict(models[model_key], config=config, jit=jit, seed=rep,
-                                threads=args.threads)
+                    spec = dict(
+                        models[model_key], config=config, jit=jit, seed=rep, threads=args.threads
+                    )
                     done = subprocess.run(
                         [sys.executable, __file__, "--worker", json.dumps(spec)],
-                        env=bench.worker_env(args.threads), capture_output=True, text=True,
+                        env=bench.worker_env(args.threads),
+                        capture_output=True,
+                        text=True,
                     )
                     if done.returncode:
-                        print(f"{model_key} jit={jit} {config}: failed: "
-                              f"{bench.failure_reason(done.stderr)}", file=sys.stderr)
+                        print(
+                            f"{model_key} jit={jit} {config}: failed: "
+                            f"{bench.failure_reason(done.stderr)}",
+                            file=sys.stderr,
+                        )
                         continue
                     phases = json.loads(done.stdout.strip().splitlines()[-1])
                     results.setdefault((model_key, jit, config), []).append(phases)
-    lines = [f"Peak and current RSS per phase of one fit, MiB; medians of {args.reps} "
-             "repetitions, each configuration in a fresh process.", ""]
+    lines = [
+        f"Peak and current RSS per phase of one fit, MiB; medians of {args.reps} "
+        "repetitions, each configuration in a fresh process.",
+        "",
+    ]
     for model_key in args.models:
         for jit in jits:
-            lines += [f"### {models[model_key]['title']}, jit_compile={jit}", "",
-                      "| config | " + " | ".join(PHASES) + " | held - live |",
-                      "|---|" + "---:|" * (len(PHASES) + 1)]
+            lines += [
+                f"### {models[model_key]['title']}, jit_compile={jit}",
+                "",
+                "| config | " + " | ".join(PHASES) + " | held - live |",
+                "|---|" + "---:|" * (len(PHASES) + 1),
+            ]
             for config in CONFIGS:
                 runs = results.get((model_key, jit, config))
                 if not runs:
                     lines.append(f"| {bench.CONFIGS[config]} |" + " - |" * (len(PHASES) + 1))
                     continue
                 median = {p: statistics.median(r[p] for r in runs) / 2**20 for p in PHASES}
-                lines.append(f"| {bench.CONFIGS[config]} | "
-                             + " | ".join(f"{median[p]:,.0f}" for p in PHASES)
-                             + f" | {median['held'] - median['live']:,.0f} |")
+                lines.append(
+                    f"| {bench.CONFIGS[config]} | "
+                    + " | ".join(f"{median[p]:,.0f}" for p in PHASES)
+                    + f" | {median['held'] - median['live']:,.0f} |"
+                )
             lines.append("")
     print("\n".join(lines))
     return 0

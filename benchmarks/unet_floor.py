@@ -11,8 +11,8 @@ times, inside compiled functions, the parts of one micro-batch:
   add      adding ready gradients into the accumulators (gacli's extra work per micro-batch)
 
 and prints the ceiling of accumulation against A, step / (step - update * (1 - 1/k) + add): the
-speed-up gacli would have if Keras' per-call work cost nothing for either. With C at about A's speed (see
-results/unet.md), the ceiling against C is about the same number.
+speed-up gacli would have if Keras' per-call work cost nothing for either. With C at about A's
+speed (see results/unet.md), the ceiling against C is about the same number.
 
     python benchmarks/unet_floor.py [--jit] [--repeats 5]
 """
@@ -47,8 +47,9 @@ def main():
     spec = bench.MODELS["unet"]
     micro, k = spec["micro_batch_size"], spec["accum_steps"]
     keras.utils.set_random_seed(0)
-    model = build_model(ModelConfig(**spec["model"]), tuple(spec["input_shape"]),
-                        spec["num_outputs"], spec["task"])
+    model = build_model(
+        ModelConfig(**spec["model"]), tuple(spec["input_shape"]), spec["num_outputs"], spec["task"]
+    )
     optimizer = keras.optimizers.SGD(bench.LEARNING_RATE)
     optimizer.build(model.trainable_variables)
     loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
@@ -78,8 +79,12 @@ def main():
             accumulator.assign_add(gradient)
 
     # (function, calls per timing): the cheap parts are timed over more calls.
-    variants = {"step": (step, 4), "grads": (grads, 4), "update": (lambda: update(ready), 40),
-                "add": (lambda: add(ready), 40)}
+    variants = {
+        "step": (step, 4),
+        "grads": (grads, 4),
+        "update": (lambda: update(ready), 40),
+        "add": (lambda: add(ready), 40),
+    }
     for run, _ in variants.values():  # trace, compile, warm up
         run()
     times = {name: [] for name in variants}
@@ -92,18 +97,24 @@ def main():
             times[name].append((time.perf_counter() - start) / calls)
     ms = {name: 1e3 * statistics.median(values) for name, values in times.items()}
     params = model.count_params()
-    print(f"UNet {spec['input_shape']}, {params:,} parameters, micro-batch {micro}, k {k}, "
-          f"jit_compile={args.jit}, {args.repeats} interleaved repeats; ms per micro-batch:")
+    print(
+        f"UNet {spec['input_shape']}, {params:,} parameters, micro-batch {micro}, k {k}, "
+        f"jit_compile={args.jit}, {args.repeats} interleaved repeats; ms per micro-batch:"
+    )
     for name, value in ms.items():
         print(f"  {name:7s} {value:9.3f} ms")
     # Accumulation keeps the step's forward/backward pass, adds the accumulation and pays 1/k of
     # the update. (From the step, not from grads: returning the gradients from a call costs a
     # copy that no training step pays.)
     floor = ms["step"] - ms["update"] * (1 - 1 / k) + ms["add"]
-    print(f"update share of A's step: {ms['update'] / ms['step']:.1%}; accumulation's extra add: "
-          f"{ms['add'] / ms['step']:.1%}")
-    print(f"ceiling of accumulation vs A: step / (step - update * (1 - 1/{k}) + add) = "
-          f"{ms['step'] / floor:.3f}x")
+    print(
+        f"update share of A's step: {ms['update'] / ms['step']:.1%}; accumulation's extra add: "
+        f"{ms['add'] / ms['step']:.1%}"
+    )
+    print(
+        f"ceiling of accumulation vs A: step / (step - update * (1 - 1/{k}) + add) = "
+        f"{ms['step'] / floor:.3f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "GradientAccumulateOptimizer": "gacli.accumulation",
+    "AccumulationConfig": "gacli.settings",
     "PartialWindow": "gacli.options",
     "NonFinite": "gacli.options",
     "LossNormalization": "gacli.options",
@@ -22,7 +23,9 @@ _LAZY = {
     "StopOnNonFinite": "gacli.accumulation",
     "GradientAccumulateModel": "gacli.accumulate_model",
     "wrap_model": "gacli.accumulate_model",
+    "accumulation_callbacks": "gacli.accumulate_model",
     "adaptive_clip_gradients": "gacli.clipping",
+    "agc_unit_axes": "gacli.clipping",
     # gradient-accumulator's names, kept so its users' imports work unchanged.
     "adaptive_clip_grad": "gacli.clipping",
     "unitwise_norm": "gacli.clipping",
@@ -39,8 +42,12 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 
 # The modules whose classes Keras deserialises by their registered names ("gacli>...").
-_SERIALIZABLE = ("gacli.accumulation", "gacli.accumulate_model", "gacli.batchnorm",
-                 "gacli.optimizers")
+_SERIALIZABLE = (
+    "gacli.accumulation",
+    "gacli.accumulate_model",
+    "gacli.batchnorm",
+    "gacli.optimizers",
+)
 
 
 def _initializing(module):
@@ -53,8 +60,11 @@ def _register_with_keras(finished=None):
     one of those modules is still being imported (TensorFlow imports Keras from its own
     ``__init__``): then the import that finishes last registers them. ``finished``: the module
     whose code has just run (importlib still marks it as initialising)."""
-    if any(_initializing(sys.modules.get(name)) for name in _WAIT_FOR + _SERIALIZABLE
-           if name != finished):
+    if any(
+        _initializing(sys.modules.get(name))
+        for name in _WAIT_FOR + _SERIALIZABLE
+        if name != finished
+    ):
         return
     for name in _SERIALIZABLE:
         import_module(name)
@@ -80,8 +90,7 @@ class _RegisteringLoader(abc.Loader):
         except ImportError as error:  # a broken gacli must not break the user's `import keras`
             import warnings
 
-            warnings.warn(f"gacli's classes are not registered with Keras: {error}",
-                          stacklevel=2)
+            warnings.warn(f"gacli's classes are not registered with Keras: {error}", stacklevel=2)
 
     def __getattr__(self, name):  # get_source, get_resource_reader, ...: the wrapped loader's
         return getattr(self._loader, name)

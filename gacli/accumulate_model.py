@@ -10,27 +10,50 @@ you pass, so ``count_params()`` is unchanged and checkpoints carry the open wind
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow.trainer import reduce_per_replica
-from keras.src.losses.loss import unscale_loss_for_distribution
-from keras.src.models.functional import Functional, functional_from_config
-from keras.src.trainers.data_adapters import data_adapter_utils
 
-from gacli._keras_versions import autoconvert_optionals, functional_config  # version:
+from gacli import _keras_compat as compat
 from gacli.accumulation import (
+    _LOSS_SCALE_OPTIMIZER,
     GradientAccumulateOptimizer,
     StopOnNonFinite,
     find_accumulating_optimizer,
-    validate_accum_steps,
 )
 from gacli.batchnorm import accum_batchnorm_layers
 from gacli.host_memory import HostMemoryCallback
-from gacli.options import LossNormalization, NonFinite, PartialWindow, Reduction, parse_option
+from gacli.options import LossNormalization, NonFinite, Reduction
+from gacli.settings import AccumulationConfig, shows_config_defaults
 
-# The accumulation settings a model stores and serialises (their defaults are in the signatures).
-_ACCUMULATION_KEYS = (
-    "accum_steps", "use_agc", "clip_factor", "eps", "partial_window", "accumulator_dtype",
-    "nonfinite", "loss_normalization",
-)
+
+def _split_settings(kwargs):
+    """Pop the accumulation settings out of a model constructor's ``**kwargs`` (``agc``, the
+    name the older package's README uses, is ``use_agc``)."""
+    settings = {name: kwargs.pop(name) for name in AccumulationConfig.fields() if name in kwargs}
+    return _agc_alias(settings, kwargs.pop("agc", None))
+
+
+def _agc_alias(settings, agc):
+    if agc is not None:
+        if settings.get("use_agc") not in (None, agc):
+            raise ValueError("agc and use_agc are the same setting; pass one of them.")
+        settings["use_agc"] = agc
+    return settings
+
+
+def _model_settings(config, mixed_precision=False, experimental_distributed_support=False, **given):
+    """The AccumulationConfig of a model wrapper, from ``config`` and the settings given (None:
+    not given). ``mixed_precision`` is the older package's switch (in Keras 3 the policy says);
+    ``experimental_distributed_support`` is accepted for its users and changes nothing: gacli
+    always supports tf.distribute."""
+    del experimental_distributed_support
+    if mixed_precision and keras.mixed_precision.global_policy().name != "mixed_float16":
+        raise ValueError(
+            "mixed_precision=True needs the mixed_float16 policy in Keras 3: call "
+            "keras.mixed_precision.set_global_policy('mixed_float16') before building the "
+            "model's layers; model.compile then adds loss scaling by itself."
+        )
+    return AccumulationConfig.from_kwargs(
+        config, **{name: value for name, value in given.items() if value is not None}
+    )
 
 
 def _window_weighted_loss(loss):
@@ -46,9 +69,7 @@ def _window_weighted_loss(loss):
         config = loss.get_config()
         config["reduction"] = "mean_with_sample_weight"
         return loss.__class__.from_config(config)
-    return keras.losses.LossFunctionWrapper(
-        loss, reduction="mean_with_sample_weight", name=getattr(loss, "__name__", None)
-    )
+    return compat.loss_from_function(loss, reduction="mean_with_sample_weight")
 
 
 class WindowCallback(keras.callbacks.Callback):
@@ -85,95 +106,76 @@ class WindowCallback(keras.callbacks.Callback):
         self._finish_epoch(last=last)
 
 
-def _reducible_logs(logs, strategy):
-    """Logs that Keras can average over workers.
-
-    Across workers Keras averages a step's logs with ``strategy.reduce("MEAN", value, axis=0)``,
-    which fails on the scalars every step returns (keras-team/keras#20585); as vectors of one they
-    average to the same scalar. One process keeps its scalars.
-    """
-    extended = getattr(strategy, "extended", None)
-    if not (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-            and extended._in_multi_worker_mode()):
-        return logs
-    return tf.nest.map_structure(
-        lambda value: tf.reshape(value, [1]) if getattr(value, "shape", None) == () else value,
-        logs,
-    )
-
-
-class AccumulationMixin:
-    """``compile``/``train_step``/``fit`` of a Keras model that accumulates gradients."""
-
-    def _configure_accumulation(
-        self,
-        accum_steps=1,
-        mixed_precision=False,
-        use_agc=False,
-        clip_factor=0.01,
-        eps=1e-3,
-        experimental_distributed_support=False,
-        partial_window="apply",
-        accumulator_dtype="float32",
-        nonfinite=None,
-        loss_normalization="batch",
+def accumulation_callbacks(optimizer, callbacks=()):
+    """``callbacks`` with what training with ``optimizer`` (a GradientAccumulateOptimizer) needs,
+    in the order it needs them: the window closer first (an epoch's last window is applied
+    before validation), then, under ``nonfinite="stop"``, the check that stops a run before a
+    later callback (a checkpoint) sees the bad step; host memory readings last."""
+    callbacks = list(callbacks)
+    if optimizer.nonfinite is NonFinite.stop and not any(
+        isinstance(callback, StopOnNonFinite) for callback in callbacks
     ):
-        # experimental_distributed_support is accepted for gradient-accumulator users; gacli
-        # always supports tf.distribute, so it changes nothing.
-        del experimental_distributed_support
-        if mixed_precision and keras.mixed_precision.global_policy().name != "mixed_float16":
-            raise ValueError(
-                "mixed_precision=True needs the mixed_float16 policy in Keras 3: call "
-                "keras.mixed_precision.set_global_policy('mixed_float16') before building the "
-                "model's layers; model.compile then adds loss scaling by itself."
-            )
-        self.accum_steps = validate_accum_steps(accum_steps)
-        self.use_agc = bool(use_agc)
-        self.clip_factor = float(clip_factor)
-        self.eps = float(eps)
-        self.partial_window = parse_option(PartialWindow, partial_window, "partial_window").value
-        self.accumulator_dtype = keras.backend.standardize_dtype(accumulator_dtype)
-        self.nonfinite = (
-            None if nonfinite is None else parse_option(NonFinite, nonfinite, "nonfinite").value
-        )
-        self.loss_normalization = parse_option(
-            LossNormalization, loss_normalization, "loss_normalization"
-        ).value
+        callbacks.insert(0, StopOnNonFinite(optimizer))
+    if not any(isinstance(callback, WindowCallback) for callback in callbacks):
+        callbacks.insert(0, WindowCallback(optimizer))
+    if not any(isinstance(callback, HostMemoryCallback) for callback in callbacks):
+        callbacks.append(HostMemoryCallback())
+    return callbacks
 
-    def _accumulation_config(self):
-        return {key: getattr(self, key) for key in _ACCUMULATION_KEYS}
 
-    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
+class AccumulationMixin(compat.KerasWorkarounds):
+    """``compile``/``train_step``/``fit`` of a Keras model that accumulates gradients; its
+    settings are one :class:`~gacli.AccumulationConfig`, ``accumulation_config``."""
+
+    # The settings, as attributes (the older package's names).
+    accum_steps = property(lambda self: self.accumulation_config.accum_steps)
+    use_agc = property(lambda self: self.accumulation_config.use_agc)
+    clip_factor = property(lambda self: self.accumulation_config.clip_factor)
+    eps = property(lambda self: self.accumulation_config.eps)
+    partial_window = property(lambda self: self.accumulation_config.partial_window)
+    accumulator_dtype = property(lambda self: self.accumulation_config.accumulator_dtype)
+    nonfinite = property(lambda self: self.accumulation_config.nonfinite)
+    loss_normalization = property(lambda self: self.accumulation_config.loss_normalization)
+
+    def _accumulating_optimizer_for(self, optimizer):
+        """``optimizer`` (an instance, a name or a config) wrapped in a
+        GradientAccumulateOptimizer with the model's settings, unless it is one already."""
         if isinstance(optimizer, str):
             optimizer = optimizer.lower()
         optimizer = keras.optimizers.get(optimizer)
-        if isinstance(optimizer, GradientAccumulateOptimizer):
-            if optimizer.accum_steps != self.accum_steps:
-                raise ValueError(
-                    f"The model has accum_steps={self.accum_steps} but its "
-                    f"GradientAccumulateOptimizer has accum_steps={optimizer.accum_steps}; pass "
-                    "the plain optimizer to compile and the model wraps it."
-                )
-        else:
-            optimizer = GradientAccumulateOptimizer(
-                optimizer,
-                accum_steps=self.accum_steps,
-                use_agc=self.use_agc,
-                clip_factor=self.clip_factor,
-                eps=self.eps,
-                partial_window=self.partial_window,
-                accumulator_dtype=self.accumulator_dtype,
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(_LOSS_SCALE_OPTIMIZER)
+        if not isinstance(optimizer, GradientAccumulateOptimizer):
+            config = self.accumulation_config
+            if config.loss_scaling is None:
                 # Under mixed_float16 the accumulator scales the loss itself (P2), so that each
                 # micro-batch is unscaled with its own scale and overflows follow `nonfinite`.
-                loss_scaling=self.dtype_policy.name == "mixed_float16",
-                nonfinite=self.nonfinite,
+                config = config.replace(loss_scaling=self.dtype_policy.name == "mixed_float16")
+            return GradientAccumulateOptimizer(
+                optimizer, config=config.replace(loss_normalization=LossNormalization.batch)
             )
-        if optimizer.loss_scaling:
-            kwargs["auto_scale_loss"] = False
-        if self.loss_normalization == LossNormalization.window_weights.value:
+        if optimizer.accum_steps != self.accum_steps:
+            raise ValueError(
+                f"The model has accum_steps={self.accum_steps} but its "
+                f"GradientAccumulateOptimizer has accum_steps={optimizer.accum_steps}; pass "
+                "the plain optimizer to compile and the model wraps it."
+            )
+        return optimizer
+
+    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
+        optimizer = self._accumulating_optimizer_for(optimizer)
+        if optimizer.use_agc and optimizer.agc_unit_axes is None:
+            from gacli.clipping import agc_unit_axes
+
+            # Rank-3 kernels are told apart by their layer (a Conv1D from a multi-head one).
+            optimizer.agc_unit_axes = agc_unit_axes(self)
+        # The accumulator is gacli's one loss-scaling path: Keras must not add its own.
+        kwargs["auto_scale_loss"] = False
+        if self.loss_normalization is LossNormalization.window_weights:
             loss = _window_weighted_loss(loss)
         mismatched = [
-            layer.name for layer in accum_batchnorm_layers(self)
+            layer.name
+            for layer in accum_batchnorm_layers(self)
             if layer.accum_steps != self.accum_steps
         ]
         if mismatched:
@@ -206,141 +208,67 @@ class AccumulationMixin:
         return self.accumulating_optimizer.optimizer_step
 
     def train_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        sample_count = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-        if self.loss_normalization == LossNormalization.window_weights.value:
-            if sample_weight is None:
-                raise ValueError(
-                    "loss_normalization='window_weights' divides the window's loss by its total "
-                    "sample weight, but fit() got none: pass sample_weight= (e.g. the token "
-                    "mask), or use loss_normalization='batch'."
-                )
-            sample_count = tf.add_n(
-                [tf.reduce_sum(tf.cast(w, "float32")) for w in tf.nest.flatten(sample_weight)]
-            )
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        accumulator = self.optimizer
+        sample_count = self._sample_count(x, sample_weight)
         with tf.GradientTape() as tape:
-            if self._call_has_training_arg:
+            if compat.call_has_training_arg(self):
                 y_pred = self(x, training=True)
             else:
                 y_pred = self(x)
             # Keras divides the loss by the number of replicas; the accumulator instead divides
             # by the window's global sample count, so it needs the per-replica mean loss.
-            loss = unscale_loss_for_distribution(
-                self._compute_loss(
-                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-                )
+            loss = compat.unscale_loss_for_distribution(
+                compat.compute_training_loss(self, x, y, y_pred, sample_weight)
             )
-            self._loss_tracker.update_state(loss, sample_weight=sample_count)
-            accumulator = self.accumulating_optimizer
+            compat.loss_tracker(self).update_state(loss, sample_weight=sample_count)
             # The accumulator weighs each micro-batch by its count: weighing the loss gives the
             # weighted gradients straight from the backward pass, one pass over them less. Not
             # under loss scaling: float16 gradients times the count would overflow sooner.
-            summed = (accumulator.reduction is Reduction.mean and accumulator is self.optimizer
-                      and not accumulator.loss_scaling)
+            summed = accumulator.reduction is Reduction.mean and not accumulator.loss_scaling
             if summed:
                 loss = loss * tf.cast(sample_count, loss.dtype)
-            scaled_loss = self.optimizer.scale_loss(loss)
+            scaled_loss = accumulator.scale_loss(loss)
         trainable_weights = self.trainable_weights
         if trainable_weights:
             gradients = tape.gradient(scaled_loss, trainable_weights)
-            if accumulator is self.optimizer:
-                accumulator.apply(gradients, trainable_weights, sample_count=sample_count,
-                                  summed=summed)
-            else:
-                # A LossScaleOptimizer around the accumulator unscales each micro-batch with its
-                # own scale and skips non-finite ones; it cannot forward the count, so it is
-                # handed over beside the call.
-                with accumulator.sample_count_scope(sample_count):
-                    self.optimizer.apply(gradients, trainable_weights)
+            accumulator.apply(
+                gradients, trainable_weights, sample_count=sample_count, summed=summed
+            )
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return _reducible_logs({**logs, **self._accumulation_logs()}, self.distribute_strategy)
+        return compat.reducible_logs(
+            {**logs, **self._accumulation_logs()}, self.distribute_strategy
+        )
 
-    def test_step(self, data):
-        return _reducible_logs(super().test_step(data), self.distribute_strategy)
+    def _sample_count(self, x, sample_weight):
+        """The micro-batch's weight in its window: its samples, or under
+        ``loss_normalization="window_weights"`` its total sample weight."""
+        if self.loss_normalization is not LossNormalization.window_weights:
+            return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+        if sample_weight is None:
+            raise ValueError(
+                "loss_normalization='window_weights' divides the window's loss by its total "
+                "sample weight, but fit() got none: pass sample_weight= (e.g. the token "
+                "mask), or use loss_normalization='batch'."
+            )
+        return tf.add_n(
+            [tf.reduce_sum(tf.cast(w, "float32")) for w in tf.nest.flatten(sample_weight)]
+        )
 
     def _accumulation_logs(self):
         """Loss scale and skip counts, when in use, beside the loss in fit()'s logs."""
-        accumulator = self.accumulating_optimizer
+        accumulator = self.optimizer
         logs = {}
         if accumulator.nonfinite is not None:
-            logs["skipped_micro_batches"] = tf.convert_to_tensor(
-                accumulator.skipped_micro_batches
-            )
+            logs["skipped_micro_batches"] = tf.convert_to_tensor(accumulator.skipped_micro_batches)
             logs["skipped_windows"] = tf.convert_to_tensor(accumulator.skipped_windows)
         if accumulator.loss_scaling:
             logs["loss_scale"] = tf.convert_to_tensor(accumulator.loss_scale)
         return logs
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras builds the model from one batch before fit/evaluate under a strategy, averaging
-        # the per-replica batches with strategy.reduce; MultiWorkerMirroredStrategy cannot reduce
-        # an input batch eagerly (keras-team/keras#20585). Only the batch's shapes matter here, so
-        # the first local replica's batch builds the model just as well, under any strategy.
-        if self._distribute_strategy is None or iterator is None:
-            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-        for _, _, batches in iterator:
-            batch = next(batches)
-            data_batch = tf.nest.map_structure(
-                lambda value: self._distribute_strategy.experimental_local_results(value)[0]
-                if isinstance(value, tf.distribute.DistributedValues) else value,
-                batch,
-            )
-            break
-        with self._distribute_strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
-
-    def _make_function(self, step_function):
-        # Keras runs steps_per_execution > 1 steps in a tf.while_loop whose body puts each step in
-        # a tf.cond; with several replicas in sync that graph fails when it runs ("You must feed
-        # a value for placeholder tensor 'while/body/.../Placeholder_1'", Keras 3.15, with or
-        # without accumulation). The same loop without the tf.cond (its condition already checks
-        # that data is left) runs, for training and validation alike.
-        strategy = self.distribute_strategy
-        if self.steps_per_execution == 1 or self.run_eagerly or (
-            strategy.num_replicas_in_sync == 1
-        ):
-            return super()._make_function(step_function)
-        steps = self.steps_per_execution
-
-        def one_step(data):
-            outputs = strategy.run(step_function, args=(data,))
-            return reduce_per_replica(outputs, strategy, reduction="auto")
-
-        one_step = autoconvert_optionals(  # version: Keras <= 3.11 (_keras_versions)
-            self, tf.function(one_step, reduce_retracing=True, jit_compile=self.jit_compile)
-        )
-
-        @tf.function(reduce_retracing=True)
-        def several_steps(iterator):
-            # The outputs' structure is known once the body is traced (as in Keras' own loop).
-            none_yet = tf.experimental.Optional.empty(None)
-
-            def data_left(step, outputs, inputs):
-                return tf.logical_and(step < steps, inputs.has_value())
-
-            def body(step, outputs, inputs):
-                outputs = tf.experimental.Optional.from_value(one_step(inputs.get_value()))
-                none_yet._element_spec = outputs.element_spec
-                inputs = tf.cond(step + 1 < steps, iterator.get_next_as_optional,
-                                 lambda: inputs)
-                return step + 1, outputs, inputs
-
-            _, outputs, _ = tf.while_loop(
-                data_left, body, [tf.constant(0), none_yet, iterator.get_next_as_optional()]
-            )
-            outputs._element_spec = none_yet.element_spec
-            return outputs
-
-        def function(iterator):
-            outputs = several_steps(iterator)
-            if not outputs.has_value():
-                raise StopIteration
-            return outputs.get_value()
-
-        return function
-
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            **kwargs):
+    def fit(
+        self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None, **kwargs
+    ):
         if self.accumulating_optimizer is None:
             raise RuntimeError("Call model.compile(optimizer=..., loss=...) before fit().")
         if self.built and not self.optimizer.built:
@@ -348,22 +276,25 @@ class AccumulationMixin:
             # tf.function trace twice (twice the XLA compile time); build the accumulators first.
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
-        callbacks = list(callbacks or [])
-        if self.accumulating_optimizer.nonfinite is NonFinite.stop and not any(
-            isinstance(callback, StopOnNonFinite) for callback in callbacks
-        ):
-            # First: it must stop the run before a checkpoint callback saves the step.
-            callbacks.insert(0, StopOnNonFinite(self.accumulating_optimizer))
-        callbacks.insert(0, WindowCallback(self.accumulating_optimizer))
-        if not any(isinstance(callback, HostMemoryCallback) for callback in callbacks):
-            callbacks.append(HostMemoryCallback())
-        return super().fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                           callbacks=callbacks, **kwargs)
+        callbacks = accumulation_callbacks(self.optimizer, callbacks or ())
+        return super().fit(
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=epochs,
+            verbose=verbose,
+            callbacks=callbacks,
+            **kwargs,
+        )
 
 
 @keras.saving.register_keras_serializable(package="gacli")
 class GradientAccumulateModel(AccumulationMixin, keras.Model):
     """A functional Keras model that trains with gradient accumulation.
+
+    The settings are those of :class:`~gacli.AccumulationConfig` (whose defaults apply to any
+    left as ``None``), as keyword arguments or all at once as ``config=``; ``reduction``,
+    ``loss_scaling``, ``initial_scale`` and ``dynamic_growth_steps`` go in ``**kwargs``.
 
     Args:
         accum_steps: micro-batches per optimizer update; ``fit(batch_size=b)`` gives an effective
@@ -377,8 +308,9 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
         partial_window: ``"apply"`` (default), ``"drop"`` or ``"carry"``: the short last window
             of an epoch.
         accumulator_dtype: dtype of the gradient sums (float32 by default).
-        nonfinite: ``"skip_micro_batch"`` or ``"skip_window"``: what an inf/nan micro-batch
-            gradient does (default under mixed_float16: skip_micro_batch; otherwise unchecked).
+        nonfinite: ``"stop"``, ``"skip_micro_batch"`` or ``"skip_window"``: what an inf/nan
+            micro-batch gradient does (default under mixed_float16: skip_micro_batch;
+            otherwise unchecked).
         loss_normalization: ``"batch"`` (Keras' semantics) or ``"window_weights"``: divide by the
             window's total sample weight, e.g. its unmasked tokens, over all replicas.
         *args, **kwargs: ``inputs=...``, ``outputs=...``, ``name=...`` as for ``keras.Model``.
@@ -389,60 +321,77 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
         >>> model.fit(x, y, batch_size=16)  # micro-batches of 16, one update per 64 samples
     """
 
+    @shows_config_defaults
     def __init__(
         self,
-        accum_steps=1,
+        accum_steps=None,
         mixed_precision=False,
-        use_agc=False,
-        clip_factor=0.01,
-        eps=1e-3,
+        use_agc=None,
+        clip_factor=None,
+        eps=None,
         experimental_distributed_support=False,
-        partial_window="apply",
-        accumulator_dtype="float32",
+        partial_window=None,
+        accumulator_dtype=None,
         nonfinite=None,
-        loss_normalization="batch",
+        loss_normalization=None,
         *args,
+        config=None,
         **kwargs,
     ):
+        settings = _agc_alias(_split_settings(kwargs), use_agc)
         super().__init__(*args, **kwargs)
-        self._configure_accumulation(
-            accum_steps, mixed_precision, use_agc, clip_factor, eps,
-            experimental_distributed_support, partial_window, accumulator_dtype, nonfinite,
-            loss_normalization,
+        self.accumulation_config = _model_settings(
+            config,
+            mixed_precision,
+            accum_steps=accum_steps,
+            clip_factor=clip_factor,
+            eps=eps,
+            partial_window=partial_window,
+            accumulator_dtype=accumulator_dtype,
+            nonfinite=nonfinite,
+            loss_normalization=loss_normalization,
+            **settings,
         )
 
     def get_config(self):
-        if isinstance(self, Functional):
-            config = functional_config(self)  # version: Keras <= 3.14 (_keras_versions)
+        if compat.is_functional(self):
+            config = compat.functional_config(self)
         else:
             config = {"name": self.name, "trainable": self.trainable}
-        config.update(self._accumulation_config())
+        config.update(self.accumulation_config.to_dict())
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        accumulation = {key: config.pop(key) for key in _ACCUMULATION_KEYS if key in config}
-        model = functional_from_config(cls, config, custom_objects=custom_objects)
-        model._configure_accumulation(**accumulation)
+        settings = _split_settings(config)
+        model = compat.functional_from_config(cls, config, custom_objects=custom_objects)
+        model.accumulation_config = AccumulationConfig(**settings)
         return model
 
 
 @keras.saving.register_keras_serializable(package="gacli")
 class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
-    """Wraps a subclassed model (one without symbolic inputs/outputs) for accumulation."""
+    """Wraps a subclassed model (one without symbolic inputs/outputs) for accumulation; takes
+    the same settings as :class:`GradientAccumulateModel`."""
 
-    def __init__(self, model, accum_steps=1, partial_window="apply", accumulator_dtype="float32",
-                 use_agc=False, clip_factor=0.01, eps=1e-3, nonfinite=None,
-                 loss_normalization="batch", **kwargs):
+    @shows_config_defaults
+    def __init__(
+        self,
+        model,
+        accum_steps=None,
+        mixed_precision=False,
+        experimental_distributed_support=False,
+        config=None,
+        **kwargs,
+    ):
+        settings = _split_settings(kwargs)
         super().__init__(**kwargs)
         self.model = model
         # The wrapper owns no weights of its own: it is built when the wrapped model is.
         self.built = model.built
-        self._configure_accumulation(
-            accum_steps, use_agc=use_agc, clip_factor=clip_factor, eps=eps,
-            partial_window=partial_window, accumulator_dtype=accumulator_dtype,
-            nonfinite=nonfinite, loss_normalization=loss_normalization,
+        self.accumulation_config = _model_settings(
+            config, mixed_precision, accum_steps=accum_steps, **settings
         )
 
     def call(self, inputs, training=None):
@@ -450,7 +399,7 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
 
     def get_config(self):
         config = {"name": self.name, "model": keras.saving.serialize_keras_object(self.model)}
-        config.update(self._accumulation_config())
+        config.update(self.accumulation_config.to_dict())
         return config
 
     @classmethod
@@ -462,12 +411,14 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
         return cls(**config)
 
 
-def wrap_model(model, accum_steps, **accumulation):
+@shows_config_defaults
+def wrap_model(model, accum_steps=None, config=None, **settings):
     """Return a model that trains ``model``'s own layers and weights with accumulation.
 
     Functional and built Sequential models are rewired into a :class:`GradientAccumulateModel` on
     the same layers; a subclassed model is wrapped in an :class:`AccumulatingModelWrapper`. Either
-    way no weight is copied or re-initialised and ``count_params()`` is unchanged.
+    way no weight is copied or re-initialised and ``count_params()`` is unchanged. ``config``
+    and ``settings`` are those of :class:`GradientAccumulateModel`.
 
     Example:
         >>> model = wrap_model(keras.applications.ResNet50(weights=None), accum_steps=8)
@@ -480,10 +431,14 @@ def wrap_model(model, accum_steps, **accumulation):
         inputs = outputs = None
     if inputs and outputs:
         return GradientAccumulateModel(
-            accum_steps=accum_steps, inputs=inputs, outputs=outputs, name=model.name,
-            **accumulation,
+            accum_steps=accum_steps,
+            inputs=inputs,
+            outputs=outputs,
+            name=model.name,
+            config=config,
+            **settings,
         )
-    return AccumulatingModelWrapper(model, accum_steps=accum_steps, **accumulation)
+    return AccumulatingModelWrapper(model, accum_steps=accum_steps, config=config, **settings)
 
 
 # Whichever of gacli's modules is imported first, Keras then knows the classes of all of them.

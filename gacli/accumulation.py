@@ -18,13 +18,23 @@ replica-context ``tf.cond`` around a synchronisation: that shape is what makes K
 """
 
 import contextlib
-import numbers
-import threading
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from gacli.options import NonFinite, PartialWindow, Reduction, parse_option
+from gacli import _keras_compat as compat
+from gacli.options import LossNormalization, NonFinite, PartialWindow, Reduction
+from gacli.settings import AccumulationConfig, shows_config_defaults, validate_accum_steps
+from gacli.window import LossScale, NoiseScale, NonFiniteGuard, Window
+
+__all__ = [
+    "GradientAccumulateOptimizer",
+    "NonFiniteError",
+    "StopOnNonFinite",
+    "find_accumulating_optimizer",
+    "validate_accum_steps",
+]
 
 # Arguments of keras.optimizers.Optimizer that belong to the inner optimizer: they act once per
 # update, which is the inner optimizer's business.
@@ -42,38 +52,106 @@ _INNER_ONLY_ARGUMENTS = (
 )
 
 
-def validate_accum_steps(accum_steps):
-    """Return ``accum_steps`` as an int >= 1, or raise a ValueError that says what to pass."""
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
-        raise ValueError(
-            f"accum_steps={accum_steps!r} must be a whole number >= 1 (the number of micro-batches "
-            "summed into one optimizer update), e.g. accum_steps=4."
-        )
-    accum_steps = int(accum_steps)
-    if accum_steps < 1:
-        raise ValueError(
-            f"accum_steps={accum_steps} must be >= 1 (the number of micro-batches summed into one "
-            "optimizer update); use accum_steps=1 to train without accumulation."
-        )
-    return accum_steps
-
-
-@contextlib.contextmanager
-def _clipping_off(optimizer):
-    """The optimizer's own clipping switched off, while tracing an apply of clipped gradients."""
-    names = ("clipnorm", "global_clipnorm", "clipvalue")
-    saved = {name: getattr(optimizer, name, None) for name in names}
-    try:
-        for name in names:
-            setattr(optimizer, name, None)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(optimizer, name, value)
+def _summed(variable):
+    """A per-replica variable read in cross-replica context: its sum over replicas."""
+    return tf.cast(tf.convert_to_tensor(variable), "float32")
 
 
 def _in_distributed_replica_context():
     return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
+
+
+def _inner_optimizer(optimizer):
+    if isinstance(optimizer, str):
+        optimizer = optimizer.lower()
+    inner = keras.optimizers.get(optimizer)
+    if isinstance(inner, GradientAccumulateOptimizer):
+        raise ValueError(
+            "GradientAccumulateOptimizer cannot wrap another GradientAccumulateOptimizer; "
+            "wrap the plain optimizer once with the accum_steps you want."
+        )
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(_LOSS_SCALE_OPTIMIZER)
+    if getattr(inner, "gradient_accumulation_steps", None):
+        raise ValueError(
+            "The inner optimizer already accumulates (gradient_accumulation_steps="
+            f"{inner.gradient_accumulation_steps}); remove that argument and let "
+            "GradientAccumulateOptimizer do it: it is exact with ragged micro-batches and "
+            "runs LR schedules and EMA once per update."
+        )
+    return inner
+
+
+_LOSS_SCALE_OPTIMIZER = (
+    "GradientAccumulateOptimizer does its own dynamic loss scaling (loss_scaling=True, on by "
+    "default under the mixed_float16 policy): each micro-batch is unscaled with its own scale and "
+    "an overflow follows nonfinite. Do not wrap it in, or around, a LossScaleOptimizer. In "
+    "model.compile pass auto_scale_loss=False, e.g. model.compile(optimizer=gacli."
+    "GradientAccumulateOptimizer(opt, accum_steps=4), loss=..., auto_scale_loss=False), or use "
+    "gacli.GradientAccumulateModel / gacli.wrap_model, whose compile does it; in a custom loop "
+    "call optimizer.scale_loss(loss) before the backward pass."
+)
+
+
+def _state(part, name, setting):
+    """A part's state variable; AttributeError when the part is off or not yet built."""
+    if part is None or name not in vars(part):
+        raise AttributeError(f"{name} exists once the optimizer is built, with {setting} on")
+    return vars(part)[name]
+
+
+def _settings(config, **given):
+    """An AccumulationConfig from ``config`` and the arguments given (None: not given)."""
+    return AccumulationConfig.from_kwargs(
+        config, **{name: value for name, value in given.items() if value is not None}
+    )
+
+
+def _check_arguments(kwargs, mixed_precision):
+    misplaced = sorted(key for key in kwargs if key in _INNER_ONLY_ARGUMENTS)
+    if misplaced:
+        raise ValueError(
+            f"GradientAccumulateOptimizer does not take {', '.join(misplaced)}: these act once "
+            "per update and belong to the inner optimizer, e.g. GradientAccumulateOptimizer("
+            "keras.optimizers.Adam(learning_rate=1e-3, clipnorm=1.0), accum_steps=4)."
+        )
+    if kwargs:
+        raise TypeError(
+            f"GradientAccumulateOptimizer got unexpected arguments: {', '.join(sorted(kwargs))}."
+        )
+    if mixed_precision:
+        raise ValueError(
+            "mixed_precision=True no longer applies in Keras 3: set the policy before building "
+            "the model, keras.mixed_precision.set_global_policy('mixed_float16'); the "
+            "optimizer then scales the loss itself (loss_scaling is on by default under "
+            "that policy). Compile with auto_scale_loss=False."
+        )
+
+
+def _optimizer_settings(config, kwargs, mixed_precision, **given):
+    """The optimizer's AccumulationConfig: ``config``, the arguments given (None: not given) and
+    any other setting in ``kwargs`` (``agc`` is ``use_agc``, the older README's name); loss
+    scaling follows the global policy unless set, and turns on the skip of overflows."""
+    agc = kwargs.pop("agc", None)
+    if agc is not None and given.get("use_agc") not in (None, agc):
+        raise ValueError("agc and use_agc are the same setting; pass one of them.")
+    given["use_agc"] = agc if given.get("use_agc") is None else given["use_agc"]
+    given.update({name: kwargs.pop(name) for name in AccumulationConfig.fields() if name in kwargs})
+    _check_arguments(kwargs, mixed_precision)
+    config = _settings(config, **given)
+    if config.loss_normalization is not LossNormalization.batch:
+        raise ValueError(
+            "loss_normalization is a setting of the model wrappers (it changes the loss, "
+            "which an optimizer never sees); pass it to gacli.GradientAccumulateModel or "
+            "gacli.wrap_model."
+        )
+    if config.loss_scaling is None:
+        config = config.replace(
+            loss_scaling=keras.mixed_precision.global_policy().name == "mixed_float16"
+        )
+    if config.nonfinite is None and config.loss_scaling:
+        config = config.replace(nonfinite=NonFinite.skip_micro_batch)
+    return config
 
 
 @keras.saving.register_keras_serializable(package="gacli")
@@ -84,24 +162,30 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     are summed into float32 accumulators (``accumulator_dtype``); on every ``accum_steps``-th call
     the inner optimizer applies their (weighted) mean once.
 
+    The settings are those of :class:`~gacli.AccumulationConfig`, whose defaults apply to any
+    left as ``None``; ``config=`` passes them all at once. The parts (the window, loss scaling,
+    the non-finite guard) are in :mod:`gacli.window`.
+
     Args:
         optimizer: the inner optimizer: an instance, a name (``"adam"``) or a config dict.
-        accum_steps: micro-batches per optimizer update (>= 1).
+        accum_steps: micro-batches per optimizer update (>= 1; default 1).
         reduction: ``"mean"`` (default; the big-batch gradient) or ``"sum"``.
         use_agc: apply adaptive gradient clipping to the accumulated gradient.
-        clip_factor: AGC's maximum ratio of unit gradient norm to unit parameter norm.
-        eps: AGC's floor on the parameter norm.
+        clip_factor: AGC's maximum ratio of unit gradient norm to unit parameter norm (0.01).
+        eps: AGC's floor on the parameter norm (1e-3).
         mixed_precision: kept for compatibility with ``gradient-accumulator``; in Keras 3 loss
             scaling comes from the dtype policy (see the error raised when it is set).
-        partial_window: ``"apply"``, ``"drop"`` or ``"carry"``; what :meth:`finish_epoch` does with
-            a window that is not full.
-        accumulator_dtype: dtype of the gradient accumulators (default float32 whatever the
-            compute dtype, contract P1).
-        loss_scaling: dynamic loss scaling for float16 (what Keras' ``LossScaleOptimizer`` does,
-            done here so that each micro-batch is unscaled with its own scale and overflowing
-            micro-batches follow ``nonfinite``). Compile with ``auto_scale_loss=False``.
-        initial_scale: the first loss scale.
-        dynamic_growth_steps: updates without overflow after which the scale doubles.
+        partial_window: ``"apply"`` (default), ``"drop"`` or ``"carry"``; what
+            :meth:`finish_epoch` does with a window that is not full.
+        accumulator_dtype: dtype of the gradient accumulators (float32 whatever the compute
+            dtype, contract P1).
+        loss_scaling: dynamic loss scaling for float16, done here so that each micro-batch is
+            unscaled with its own scale and overflowing micro-batches follow ``nonfinite``.
+            Default: on when the global policy is ``mixed_float16`` as the optimizer is made.
+            Compile with ``auto_scale_loss=False``; it is gacli's only loss-scaling path, and
+            Keras' ``LossScaleOptimizer`` around it is refused.
+        initial_scale: the first loss scale (2**15).
+        dynamic_growth_steps: updates without overflow after which the scale doubles (2000).
         nonfinite: what a micro-batch with an inf or nan gradient does. ``"stop"``: it and every
             later micro-batch are left out and no update is applied from its window on, so the
             weights stay those of the last good update; :class:`StopOnNonFinite` (added by the
@@ -111,6 +195,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             ``skipped_micro_batches`` and ``skipped_windows``.
         name: optimizer name.
         dtype: alias of ``accumulator_dtype`` kept for ``gradient-accumulator`` users.
+        config: an :class:`~gacli.AccumulationConfig` (or its dict); arguments given beside it
+            override its values.
+        agc_unit_axes: AGC's unit-norm axes by variable path, ``gacli.agc_unit_axes(model)``,
+            so that rank-3 kernels are read by their layer (the model wrappers pass it
+            themselves); without it, by their shape.
 
     Example:
         >>> optimizer = GradientAccumulateOptimizer(keras.optimizers.Adam(1e-3), accum_steps=4)
@@ -119,93 +208,83 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         >>> optimizer.apply_gradients(zip(grads, model.trainable_variables), sample_count=n)
     """
 
+    @shows_config_defaults
     def __init__(
         self,
         optimizer="sgd",
-        accum_steps=1,
-        reduction="mean",
-        use_agc=False,
-        clip_factor=0.01,
-        eps=1e-3,
+        accum_steps=None,
+        reduction=None,
+        use_agc=None,
+        clip_factor=None,
+        eps=None,
         mixed_precision=False,
-        partial_window="apply",
-        accumulator_dtype="float32",
-        loss_scaling=False,
-        initial_scale=2.0**15,
-        dynamic_growth_steps=2000,
+        partial_window=None,
+        accumulator_dtype=None,
+        loss_scaling=None,
+        initial_scale=None,
+        dynamic_growth_steps=None,
         nonfinite=None,
         name="GradientAccumulateOptimizer",
         dtype=None,
+        config=None,
+        agc_unit_axes=None,
         **kwargs,
     ):
-        misplaced = sorted(key for key in kwargs if key in _INNER_ONLY_ARGUMENTS)
-        if misplaced:
-            raise ValueError(
-                f"GradientAccumulateOptimizer does not take {', '.join(misplaced)}: these act once "
-                "per update and belong to the inner optimizer, e.g. GradientAccumulateOptimizer("
-                "keras.optimizers.Adam(learning_rate=1e-3, clipnorm=1.0), accum_steps=4)."
-            )
-        if kwargs:
-            raise TypeError(
-                f"GradientAccumulateOptimizer got unexpected arguments: {', '.join(sorted(kwargs))}."
-            )
-        if mixed_precision:
-            raise ValueError(
-                "mixed_precision=True no longer applies in Keras 3: set the policy before building "
-                "the model, keras.mixed_precision.set_global_policy('mixed_float16'), and "
-                "model.compile wraps this optimizer in a LossScaleOptimizer by itself (in a custom "
-                "loop: keras.optimizers.LossScaleOptimizer(GradientAccumulateOptimizer(...)))."
-            )
+        config = _optimizer_settings(
+            config,
+            kwargs,
+            mixed_precision,
+            accum_steps=accum_steps,
+            reduction=reduction,
+            use_agc=use_agc,
+            clip_factor=clip_factor,
+            eps=eps,
+            partial_window=partial_window,
+            accumulator_dtype=dtype or accumulator_dtype,
+            loss_scaling=loss_scaling,
+            initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps,
+            nonfinite=nonfinite,
+        )
         super().__init__(learning_rate=0.0, name=name)
-        if isinstance(optimizer, str):
-            optimizer = optimizer.lower()
-        inner = keras.optimizers.get(optimizer)
-        if isinstance(inner, GradientAccumulateOptimizer):
-            raise ValueError(
-                "GradientAccumulateOptimizer cannot wrap another GradientAccumulateOptimizer; "
-                "wrap the plain optimizer once with the accum_steps you want."
-            )
-        if getattr(inner, "gradient_accumulation_steps", None):
-            raise ValueError(
-                "The inner optimizer already accumulates (gradient_accumulation_steps="
-                f"{inner.gradient_accumulation_steps}); remove that argument and let "
-                "GradientAccumulateOptimizer do it: it is exact with ragged micro-batches and "
-                "runs LR schedules and EMA once per update."
-            )
-        self.inner_optimizer = inner
-        self.accum_steps = validate_accum_steps(accum_steps)
-        self.reduction = parse_option(Reduction, reduction, "reduction")
-        self.partial_window = parse_option(PartialWindow, partial_window, "partial_window")
-        self.use_agc = bool(use_agc)
-        self.clip_factor = float(clip_factor)
-        self.eps = float(eps)
-        self.accumulator_dtype = keras.backend.standardize_dtype(dtype or accumulator_dtype)
-        self.loss_scaling = bool(loss_scaling)
-        self.initial_scale = float(initial_scale)
-        self.dynamic_growth_steps = int(dynamic_growth_steps)
-        if nonfinite is None and self.loss_scaling:
-            nonfinite = NonFinite.skip_micro_batch
-        self.nonfinite = None if nonfinite is None else parse_option(NonFinite, nonfinite, "nonfinite")
-        # Indices (into the trainable variables) that received gradients in the traced apply();
-        # a variable that never gets a gradient must not be "updated" with a zero gradient, which
-        # would still move it under Adam or momentum.
-        self._gradient_indices = None
+        self.inner_optimizer = _inner_optimizer(optimizer)
+        self.config = config
+        self._window = Window(config.accum_steps, config.reduction, config.accumulator_dtype)
+        self._loss_scale = (
+            LossScale(config.initial_scale, config.dynamic_growth_steps)
+            if config.loss_scaling
+            else None
+        )
+        self._guard = NonFiniteGuard(config.nonfinite) if config.nonfinite else None
+        self._noise = NoiseScale(config.noise_scale_decay) if config.noise_scale else None
+        # Whether the end of the current fit() is the end of training (see fit_continues).
+        self.fit_ends_training = True
+        # AGC's unit axes by variable path, from the model's layers (gacli.agc_unit_axes); None:
+        # read from each variable's rank. The model wrappers fill it in at compile.
+        self.agc_unit_axes = agc_unit_axes
+        # Compiled flush/discard functions, by (kind, variables with gradients): a cache only.
         self._window_functions = {}
-        self._fit_continues = False
-        # Per thread, because MirroredStrategy runs each replica's step in its own thread.
-        self._scoped_counts = threading.local()
+        self._constructed = True
 
-    @contextlib.contextmanager
-    def sample_count_scope(self, sample_count, summed=False, loss_divisor=None):
-        """Hand ``sample_count`` (and ``summed`` or ``loss_divisor``, see :meth:`apply`) to the
-        ``apply`` calls made inside, through wrappers such as ``LossScaleOptimizer`` whose
-        ``apply`` has no such argument."""
-        previous = getattr(self._scoped_counts, "value", None)
-        self._scoped_counts.value = (sample_count, summed, loss_divisor)
-        try:
-            yield
-        finally:
-            self._scoped_counts.value = previous
+    def __setattr__(self, name, value):
+        # Keras' LossScaleOptimizer announces itself by clearing its inner optimizer's
+        # loss_scale_factor: a second loss-scaling path around this one is refused right there.
+        if name == "loss_scale_factor" and getattr(self, "_constructed", False):
+            raise ValueError(_LOSS_SCALE_OPTIMIZER)
+        super().__setattr__(name, value)
+
+    # -- the settings, as attributes --------------------------------------------------------------
+    accum_steps = property(lambda self: self.config.accum_steps)
+    reduction = property(lambda self: self.config.reduction)
+    use_agc = property(lambda self: self.config.use_agc)
+    clip_factor = property(lambda self: self.config.clip_factor)
+    eps = property(lambda self: self.config.eps)
+    partial_window = property(lambda self: self.config.partial_window)
+    accumulator_dtype = property(lambda self: self.config.accumulator_dtype)
+    loss_scaling = property(lambda self: self.config.loss_scaling)
+    initial_scale = property(lambda self: self.config.initial_scale)
+    dynamic_growth_steps = property(lambda self: self.config.dynamic_growth_steps)
+    nonfinite = property(lambda self: self.config.nonfinite)
 
     # -- state ------------------------------------------------------------------------------------
     def _add_state(self, name, shape=(), dtype="float32", per_replica=False, initial_value=0.0):
@@ -224,7 +303,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 aggregation="sum" if per_replica else "only_first_replica",
                 synchronization="on_read" if per_replica else "auto",
             )
-        self._track_variable(variable)
+        compat.track_variable(self, variable)
         return variable
 
     def build(self, var_list):
@@ -232,41 +311,41 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             return
         self.inner_optimizer.build(var_list)
         super().build(var_list)
-        self.micro_step = self._add_state("micro_step", dtype="int64")
-        self.window_micro_steps = self._add_state("window_micro_steps", dtype="int64")
-        # Sum of the sample counts (or of the calls, when none is given) in the open window.
-        self.window_weight = self._add_state("window_weight", per_replica=True)
-        if self.nonfinite is not None:
-            # Per replica: whether this replica's last micro-batch / open window had an overflow.
-            self.step_nonfinite = self._add_state("step_nonfinite", per_replica=True)
-            self.window_nonfinite = self._add_state("window_nonfinite", per_replica=True)
-            # Counted in cross-replica context from the summed step flags: one total, not one
-            # count per replica.
-            self.skipped_micro_batches = self._add_state("skipped_micro_batches", dtype="int64")
-            self.skipped_windows = self._add_state("skipped_windows", dtype="int64")
-        if self.nonfinite is NonFinite.stop:
-            # 0 while training is healthy; then the micro_step (counted from 1) of the first
-            # micro-batch with a non-finite gradient on any replica (set in cross-replica context).
-            self.halted_at = self._add_state("halted_at_micro_step", dtype="int64")
-        if self.loss_scaling:
-            self.loss_scale = self._add_state("loss_scale", initial_value=self.initial_scale)
-            self.growth_steps = self._add_state("growth_steps", dtype="int64")
-        self._accumulators = [
-            self._add_state(
-                f"{variable.path.replace('/', '_')}_accumulator"
-                if hasattr(variable, "path")
-                else f"accumulator_{index}",
-                shape=variable.shape,
-                dtype=self.accumulator_dtype,
-                per_replica=True,
-            )
-            for index, variable in enumerate(var_list)
-        ]
+        self._window.build(self._add_state, var_list)
+        if self._guard is not None:
+            self._guard.build(self._add_state)
+        if self._loss_scale is not None:
+            self._loss_scale.build(self._add_state)
+        if self._noise is not None:
+            self._noise.build(self._add_state)
         self.built = True
+
+    # The parts' state variables (once built), under the names users and logs know them by.
+    micro_step = property(
+        lambda self: self._window.micro_step,
+        doc="Micro-batches accumulated (calls to apply), a variable.",
+    )
+    window_micro_steps = property(lambda self: self._window.window_micro_steps)
+    window_weight = property(lambda self: self._window.window_weight)
+    window_unweighted = property(lambda self: self._window.window_unweighted)
+    gradient_mask = property(lambda self: self._window.gradient_mask)
+    loss_scale = property(lambda self: _state(self._loss_scale, "loss_scale", "loss_scaling"))
+    growth_steps = property(lambda self: _state(self._loss_scale, "growth_steps", "loss_scaling"))
+    skipped_micro_batches = property(
+        lambda self: _state(self._guard, "skipped_micro_batches", "nonfinite")
+    )
+    skipped_windows = property(lambda self: _state(self._guard, "skipped_windows", "nonfinite"))
+    step_nonfinite = property(lambda self: _state(self._guard, "step_nonfinite", "nonfinite"))
+    window_nonfinite = property(lambda self: _state(self._guard, "window_nonfinite", "nonfinite"))
+    halted_at = property(lambda self: _state(self._guard, "halted_at", "nonfinite='stop'"))
+
+    @property
+    def _accumulators(self):
+        return self._window.accumulators
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return compat.own_variables(self) + self.inner_optimizer.variables
 
     @property
     def learning_rate(self):
@@ -277,7 +356,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.learning_rate = learning_rate
 
     def _get_current_learning_rate(self):
-        return self.inner_optimizer._get_current_learning_rate()
+        return compat.current_learning_rate(self.inner_optimizer)
 
     @property
     def iterations(self):
@@ -290,9 +369,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.iterations
 
     def scale_loss(self, loss):
-        if self.loss_scaling:
-            scale = self.loss_scale if self.built else self.initial_scale
-            return loss * tf.cast(scale, loss.dtype)
+        if self._loss_scale is not None:
+            return self._loss_scale.scale(loss)
         return self.inner_optimizer.scale_loss(loss)
 
     @contextlib.contextmanager
@@ -300,16 +378,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """Inside, the end of a ``fit()`` call is not the end of training (a run split into
         several calls, as a resumed one is): a carried window stays open and EMA is not yet
         written into the weights."""
-        self._fit_continues = True
+        self.fit_ends_training = False
         try:
             yield
         finally:
-            self._fit_continues = False
+            self.fit_ends_training = True
 
     def finalize_variable_values(self, var_list):
         # Keras calls this once at the end of fit(): the last open window is applied (contract E4:
         # never silently lost), before the inner optimizer's EMA overwrite.
-        if self._fit_continues:
+        if not self.fit_ends_training:
             return
         self.finish_epoch(last=True)
         self.inner_optimizer.finalize_variable_values(var_list)
@@ -317,12 +395,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     # -- the micro-step ---------------------------------------------------------------------------
     def apply_gradients(self, grads_and_vars, sample_count=None, summed=False, loss_divisor=None):
         grads, variables = zip(*grads_and_vars)
-        self.apply(grads, variables, sample_count=sample_count, summed=summed,
-                   loss_divisor=loss_divisor)
+        self.apply(
+            grads, variables, sample_count=sample_count, summed=summed, loss_divisor=loss_divisor
+        )
         return self.iterations
 
-    def apply(self, grads, trainable_variables=None, sample_count=None, summed=False,
-              loss_divisor=None):
+    def apply(
+        self, grads, trainable_variables=None, sample_count=None, summed=False, loss_divisor=None
+    ):
         """Accumulate one micro-batch; update through the inner optimizer every k-th call.
 
         Args:
@@ -351,80 +431,67 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                     "Pass the variables on the first call, e.g. "
                     "optimizer.apply(grads, model.trainable_variables)."
                 )
-            trainable_variables = self._trainable_variables
+            trainable_variables = compat.built_variables(self)
         trainable_variables = list(trainable_variables)
         if not self.built:
             self.build(trainable_variables)
-        if sample_count is None:
-            sample_count, summed, loss_divisor = (
-                getattr(self._scoped_counts, "value", None) or (None, False, None)
-            )
+        factor = self._micro_batch_factor(sample_count, summed, loss_divisor)
+        gradients = {
+            compat.variable_index(self, variable): gradient
+            for gradient, variable in zip(grads, trainable_variables)
+            if gradient is not None
+        }
+        keep = self._guard.keep(list(gradients.values())) if self._guard else None
+        observe = self._noise is not None and self._weighs(sample_count)
+        squared = self._window.add(gradients, factor, keep, squared_norm=observe)
+        if squared is not None:
+            self._observe_noise(squared, sample_count, keep)
+        kept = self._guard.record(keep) if self._guard else tf.constant(1.0)
+        self._window.count(sample_count if self._weighs(sample_count) else None, kept)
+        self._apply_window_if(self._window.closes(), tuple(sorted(gradients)), micro_step=True)
+
+    def _observe_noise(self, squared, sample_count, keep):
+        """Hand the noise scale |g|^2 of this micro-batch's mean-loss gradient. ``squared`` is
+        that of what the window added: the gradient of the micro-batch's summed loss, unscaled
+        (the mean's times the sample count), however the caller wrote the loss."""
+        to_mean = 1.0 / tf.cast(sample_count, "float32")
+        self._noise.observe(
+            squared * tf.square(to_mean), sample_count, tf.constant(True) if keep is None else keep
+        )
+
+    def _weighs(self, sample_count):
+        return sample_count is not None and self.reduction is Reduction.mean
+
+    def _micro_batch_factor(self, sample_count, summed, loss_divisor):
+        """What this micro-batch's gradients are multiplied by as they are added (None: 1): its
+        weight (unless the caller weighed the loss) and the inverse loss scale (P2: each
+        micro-batch is unscaled with its own scale), one product per element at most."""
         weighted = sample_count is not None
-        weight = tf.cast(sample_count, "float32") if weighted else tf.constant(1.0)
         if loss_divisor is not None and (summed or not weighted):
             raise ValueError(
                 "loss_divisor says what the loss was divided by, so that the engine can weigh it "
                 "by sample_count: pass sample_count (this replica's samples) with it, and not "
                 "summed=True (which means loss_divisor=1)."
             )
-        if self.reduction is Reduction.sum:
-            if summed or loss_divisor is not None:
-                raise ValueError(
-                    "summed=True and loss_divisor describe a loss to be weighed by "
-                    "sample_count, which reduction='sum' would add as it is; pass the gradients "
-                    "of the mean loss."
-                )
-            weight = tf.constant(1.0)
-        # One product per gradient element at most: the weight (unless the caller weighed the
-        # loss) and the loss scale (P2: each micro-batch is unscaled with its own scale) together.
+        if self.reduction is Reduction.sum and (summed or loss_divisor is not None):
+            raise ValueError(
+                "summed=True and loss_divisor describe a loss to be weighed by "
+                "sample_count, which reduction='sum' would add as it is; pass the gradients "
+                "of the mean loss."
+            )
         factor = None
-        if weighted and not summed and self.reduction is Reduction.mean:
+        if self._weighs(sample_count) and not summed:
             # The gradient of this replica's summed loss: the mean loss's times its divisor.
-            factor = weight if loss_divisor is None else tf.cast(loss_divisor, "float32")
-        if self.loss_scaling:
-            inverse_scale = 1.0 / tf.cast(self.loss_scale, "float32")
-            factor = inverse_scale if factor is None else factor * inverse_scale
-        indices, pairs = [], []
-        for gradient, variable in zip(grads, trainable_variables):
-            if gradient is None:
-                continue
-            index = self._get_variable_index(variable)
-            indices.append(index)
-            accumulator = self._accumulators[index]
-            # Sparse (IndexedSlices) gradients are densified here; contract row E5 is open.
-            gradient = tf.cast(tf.convert_to_tensor(gradient), accumulator.dtype)
-            pairs.append((accumulator, gradient))
-        self._gradient_indices = tuple(sorted(indices))
-        self._weighted = weighted
-        finite = None
-        if self.nonfinite is not None:
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for _, g in pairs])
-        if self.nonfinite is NonFinite.stop:
-            # Once halted, every micro-batch is left out until fit() sees it and stops.
-            finite = tf.logical_and(finite, tf.convert_to_tensor(self.halted_at) == 0)
-        for accumulator, gradient in pairs:
-            contribution = gradient
-            if factor is not None:
-                contribution = gradient * tf.cast(factor, accumulator.dtype)
-            if finite is not None:
-                # where, not multiplication: 0 * inf is nan.
-                contribution = tf.where(finite, contribution, tf.zeros_like(contribution))
-            accumulator.assign_add(contribution)
-        if finite is not None:
-            nonfinite = 1.0 - tf.cast(finite, "float32")
-            self.step_nonfinite.assign(nonfinite)
-            if self.nonfinite in (NonFinite.skip_micro_batch, NonFinite.stop):
-                weight = weight * (1.0 - nonfinite)
-            else:
-                self.window_nonfinite.assign_add(nonfinite)
-        self.window_weight.assign_add(weight)
-        self.window_micro_steps.assign_add(1)
-        self.micro_step.assign_add(1)
-        self._apply_window_if(self.window_micro_steps >= self.accum_steps, micro_step=True)
+            factor = tf.cast(sample_count if loss_divisor is None else loss_divisor, "float32")
+        if self._loss_scale is not None:
+            inverse = self._loss_scale.inverse()
+            factor = inverse if factor is None else factor * inverse
+        return factor
 
     # -- the update -------------------------------------------------------------------------------
-    def _apply_window_if(self, window_closes, micro_step=False):
-        """Apply (or skip) the open window when ``window_closes``.
+    def _apply_window_if(self, window_closes, indices, micro_step=False):
+        """Apply (or skip) the open window when ``window_closes``, to the variables at
+        ``indices`` (those that had gradients).
 
         The decision is taken in cross-replica context: inside ``merge_call`` under a
         tf.distribute strategy, directly otherwise. Both branches are graph conditionals whose
@@ -434,60 +501,37 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if _in_distributed_replica_context():
 
             def merge_fn(distribution, window_closes):
-                # Read in cross-replica context, the per-replica window weights come summed: the
-                # global sample count of the window (D3).
-                global_weight = tf.convert_to_tensor(self.window_weight)
                 self._decide(
                     distribution.experimental_local_results(window_closes)[0],
                     lambda fn, *args: distribution.extended.call_for_each_replica(fn, args=args),
-                    global_weight,
+                    indices,
                     micro_step,
                     distribution.num_replicas_in_sync,
                 )
 
             tf.distribute.get_replica_context().merge_call(merge_fn, args=(window_closes,))
         else:
-            self._decide(window_closes, lambda fn, *args: fn(*args), None, micro_step, 1)
+            self._decide(window_closes, lambda fn, *args: fn(*args), indices, micro_step, 1)
 
-    def _decide(self, closes, in_each_replica, global_weight, micro_step, replicas):
-        """``closes``: one boolean; ``in_each_replica(fn, *args)`` runs fn in replica context;
-        ``global_weight``: the window's count summed over replicas (None on one device)."""
+    def _decide(self, closes, in_each_replica, indices, micro_step, replicas):
+        """In cross-replica context. ``in_each_replica(fn, *args)`` runs fn in replica context."""
         apply_now = closes
-        if self.nonfinite is NonFinite.stop:
+        if self._guard is not None:
             if micro_step:
-                first_bad = tf.logical_and(
-                    self.halted_at == 0, tf.convert_to_tensor(self.step_nonfinite) > 0
-                )
-                self.halted_at.assign(tf.where(first_bad, self.micro_step, self.halted_at))
-            apply_now = tf.logical_and(apply_now, self.halted_at == 0)
-        if self.nonfinite is not None:
-            if micro_step and self.nonfinite in (NonFinite.skip_micro_batch, NonFinite.stop):
-                # Per-replica flags summed on read: how many replicas dropped this micro-step.
-                self.skipped_micro_batches.assign_add(
-                    tf.cast(tf.convert_to_tensor(self.step_nonfinite), "int64")
-                )
-            if self.loss_scaling and micro_step:
-                # Any replica's overflow halves everyone's scale.
-                overflow = tf.convert_to_tensor(self.step_nonfinite) > 0
-                self.loss_scale.assign(
-                    tf.where(overflow, tf.maximum(self.loss_scale / 2.0, 1.0), self.loss_scale)
-                )
-                self.growth_steps.assign(
-                    tf.where(overflow, tf.zeros_like(self.growth_steps), self.growth_steps)
-                )
-            healthy = tf.logical_and(
-                tf.convert_to_tensor(self.window_nonfinite) == 0,
-                tf.convert_to_tensor(self.window_weight) > 0,
-            )
-            apply_now = tf.logical_and(apply_now, healthy)
+                overflow = self._guard.after_micro_step(self.micro_step)
+                if self._loss_scale is not None:
+                    # Any replica's overflow halves everyone's scale.
+                    self._loss_scale.after_micro_step(overflow)
+            healthy = self._guard.healthy(self._window.held())
             tf.cond(
                 tf.logical_and(closes, tf.logical_not(healthy)),
                 lambda: in_each_replica(self._skip_window),
                 lambda: None,
             )
+            apply_now = tf.logical_and(apply_now, tf.logical_and(healthy, self._guard.running()))
         tf.cond(
             apply_now,
-            lambda: self._apply_in_replicas(in_each_replica, global_weight, replicas),
+            lambda: self._apply_in_replicas(in_each_replica, indices, replicas),
             lambda: None,
         )
 
@@ -497,93 +541,78 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             getattr(inner, name, None) for name in ("clipnorm", "global_clipnorm", "clipvalue")
         )
 
-    def _apply_in_replicas(self, in_each_replica, global_weight, replicas):
-        """Apply the window. Clipping (AGC, clipnorm, global_clipnorm, clipvalue) must see the
-        gradient summed over replicas, but Keras' optimizers clip each replica's part before
-        their all-reduce: with several replicas and clipping, the window's gradient is reduced
-        and clipped here, in cross-replica context, and handed to every replica."""
-        if global_weight is None or replicas == 1 or not self._clips():
-            in_each_replica(self._apply_window, global_weight)
-            return
-        indices = self._gradient_indices or ()
-        variables = [self._trainable_variables[index] for index in indices]
-        if self.reduction is Reduction.sum:
-            denominator = tf.constant(1.0)
-        elif self._weighted:
-            denominator = global_weight
-        else:
-            # Keras' train_step already divided each replica's gradient by the replica count.
-            denominator = global_weight / replicas
-        grads = [
-            # Read in cross-replica context, the accumulators come summed over replicas.
-            tf.cast(tf.math.divide_no_nan(tf.convert_to_tensor(self._accumulators[index]),
-                                          tf.cast(denominator, self._accumulators[index].dtype)),
-                    variable.dtype)
-            for index, variable in zip(indices, variables)
-        ]
+    def _window_gradients(self, indices, denominator):
+        variables = [compat.built_variables(self)[index] for index in indices]
+        grads = self._window.gradients(indices, variables, denominator)
         if self.use_agc:
             from gacli.clipping import adaptive_clip_gradients
 
-            grads = adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
-        grads = self.inner_optimizer._clip_gradients(grads)
+            grads = adaptive_clip_gradients(
+                grads, variables, self.clip_factor, self.eps, unit_axes=self.agc_unit_axes
+            )
+        return grads, variables
+
+    def _apply_in_replicas(self, in_each_replica, indices, replicas):
+        """Apply the window, normalised by its samples over all replicas (D3). Clipping (AGC,
+        clipnorm, global_clipnorm, clipvalue) must see the gradient summed over replicas, but
+        Keras' optimizers clip each replica's part before their all-reduce: with several
+        replicas and clipping, the window's gradient is reduced and clipped here, in
+        cross-replica context, and handed to every replica."""
+        denominator = self._window.denominator(replicas)
+        if self._noise is not None:
+            # |G_B|^2 of the whole window: under several replicas, reading the accumulators here
+            # sums them, one all-reduce more per window.
+            squared = tf.add_n(
+                [
+                    tf.reduce_sum(tf.square(_summed(self._window.accumulators[index])))
+                    for index in indices
+                ]
+            ) / tf.square(denominator)
+            self._noise.update(
+                squared,
+                _summed(self._window.window_weight),
+                _summed(self._window.window_unweighted),
+            )
+        if replicas == 1 or not self._clips():
+            in_each_replica(self._apply_window, indices, denominator)
+            return
+        # Read in cross-replica context, the accumulators come summed over replicas.
+        grads, _ = self._window_gradients(indices, denominator)
+        grads = compat.clip_gradients(self.inner_optimizer, grads)
         # Each replica passes 1/R of the clipped gradient; the inner all-reduce sums them back.
         # Clipping is switched off here, once: replicas trace in threads of their own.
-        with _clipping_off(self.inner_optimizer):
-            in_each_replica(self._apply_window, global_weight, [g / replicas for g in grads])
+        with compat.without_own_clipping(self.inner_optimizer):
+            in_each_replica(self._apply_share, indices, [g / replicas for g in grads])
 
-    def _skip_window(self):
-        self.skipped_windows.assign_add(1)
-        self._reset_window()
-
-    def _apply_window(self, global_weight=None, clipped=None):
-        """Update from the open window; ``global_weight``: its count summed over replicas;
-        ``clipped``: this replica's share of the window's gradient, already reduced and clipped."""
-        indices = self._gradient_indices or ()
-        variables = [self._trainable_variables[index] for index in indices]
-        if clipped is not None:
-            # A copy on this replica's device: the inner all-reduce reads its destination there.
-            clipped = [tf.identity(gradient) for gradient in clipped]
-            self.inner_optimizer.apply(clipped, variables)
-            self._after_update()
-            return
-        accumulators = [self._accumulators[index] for index in indices]
-        if self.reduction is Reduction.sum:
-            denominator = tf.constant(1.0)
-        else:
-            denominator = tf.convert_to_tensor(self.window_weight)
-            if self._weighted and global_weight is not None:
-                # Contract D3: normalise by the samples of the whole window on all replicas.
-                denominator = global_weight
-        grads = [
-            # divide_no_nan: a replica whose micro-batches were all skipped holds zeros, not 0/0.
-            tf.cast(tf.math.divide_no_nan(tf.convert_to_tensor(accumulator),
-                                          tf.cast(denominator, accumulator.dtype)),
-                    variable.dtype)
-            for accumulator, variable in zip(accumulators, variables)
-        ]
-        if self.use_agc:
-            from gacli.clipping import adaptive_clip_gradients
-
-            grads = adaptive_clip_gradients(grads, variables, self.clip_factor, self.eps)
+    def _apply_window(self, indices, denominator):
+        """In replica context: this replica's part of the window's gradient, applied (the
+        inner optimizer sums the parts over replicas)."""
+        grads, variables = self._window_gradients(indices, denominator)
         self.inner_optimizer.apply(grads, variables)
         self._after_update()
 
+    def _apply_share(self, indices, share):
+        """In replica context: ``share``, this replica's part of the reduced, clipped gradient."""
+        variables = [compat.built_variables(self)[index] for index in indices]
+        # A copy on this replica's device: the inner all-reduce reads its destination there.
+        self.inner_optimizer.apply([tf.identity(gradient) for gradient in share], variables)
+        self._after_update()
+
+    def _skip_window(self):
+        self._guard.skip_window()
+        self._reset_window()
+
     def _after_update(self):
-        if self.loss_scaling:
-            # Grow the scale after dynamic_growth_steps updates without an overflow.
-            growth = self.growth_steps + 1
-            grow = growth >= self.dynamic_growth_steps
-            self.loss_scale.assign(tf.where(grow, self.loss_scale * 2.0, self.loss_scale))
-            self.growth_steps.assign(tf.where(grow, tf.zeros_like(growth), growth))
+        if self._loss_scale is not None:
+            self._loss_scale.after_update()
         self._reset_window()
 
     def _reset_window(self):
-        for accumulator in self._accumulators:
-            accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
-        self.window_weight.assign(0.0)
-        self.window_micro_steps.assign(0)
-        if self.nonfinite is not None:
-            self.window_nonfinite.assign(0.0)
+        self._window.reset()
+        if self._guard is not None:
+            self._guard.reset()
+        if self._noise is not None:
+            self._noise.reset()
 
     # -- windows that are not full ----------------------------------------------------------------
     def _run_window_function(self, kind):
@@ -596,17 +625,20 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             # (Every micro-step counts itself in window_micro_steps, and every worker of a run
             # holds the same count, so all of them skip or none does.)
             return
-        if self._gradient_indices is None:
-            # Nothing traced apply() in this process yet (e.g. a checkpoint restored mid-window):
-            # the open window is applied to every variable that has an accumulator.
-            self._gradient_indices = tuple(range(len(self._accumulators)))
-            self._weighted = True
-        function = self._window_functions.get(kind)
+        # The variables the window's micro-batches had gradients for, from the saved mask: the
+        # same after a restore as in the process that accumulated them.
+        indices = tuple(int(i) for i in np.flatnonzero(self.gradient_mask.numpy()))
+        key = (kind, indices)
+        function = self._window_functions.get(key)
         if function is None:
             # The strategy the optimizer was created under (Keras calls callbacks and
             # finalize_variable_values outside the strategy's scope).
-            strategy = self._distribution_strategy
-            step = self._flush_step if kind == "flush" else self._reset_window
+            strategy = compat.optimizer_strategy(self)
+            step = (
+                (lambda: self._apply_window_if(self.window_micro_steps > 0, indices))
+                if kind == "flush"
+                else self._reset_window
+            )
 
             @tf.function
             def function():
@@ -615,12 +647,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 else:
                     step()
 
-            self._window_functions[kind] = function
-        with self._distribution_strategy.scope():
+            self._window_functions[key] = function
+        with compat.optimizer_strategy(self).scope():
             function()
-
-    def _flush_step(self):
-        self._apply_window_if(self.window_micro_steps > 0)
 
     def flush(self):
         """Apply the open window now, normalised by the samples it holds (no-op when empty)."""
@@ -633,7 +662,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def epoch_end_action(self, last=False):
         """``"apply"``, ``"drop"`` or ``None``: what ``partial_window`` does to an open window at
         an epoch end (``last=True``: the end of training, where a carried window is applied)."""
-        last = last and not self._fit_continues
+        last = last and self.fit_ends_training
         if self.partial_window is PartialWindow.apply or (
             last and self.partial_window is PartialWindow.carry
         ):
@@ -650,38 +679,45 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         elif action == "drop":
             self.discard_window()
 
+    def noise_scale(self):
+        """The gradient noise scale measured so far (``noise_scale=True``), as Python floats:
+        ``noise_scale`` (B_simple, smoothed), ``grad_sq`` (|G|^2), ``trace_cov`` (tr Sigma),
+        the last window's raw ``grad_sq_raw`` and ``trace_raw``, and ``windows`` measured."""
+        if self._noise is None or not self.built:
+            return None
+        grad_sq, trace, scale = (float(v) for v in self._noise.estimates())
+        return {
+            "noise_scale": scale,
+            "grad_sq": grad_sq,
+            "trace_cov": trace,
+            "grad_sq_raw": float(self._noise.grad_sq_raw.numpy()),
+            "trace_raw": float(self._noise.trace_raw.numpy()),
+            "windows": int(self._noise.windows.numpy()),
+        }
+
     def halted_micro_step(self):
         """0 while training is healthy; under ``nonfinite="stop"``, the micro_step (counted from
         1) of the first micro-batch whose gradient was not finite."""
         if self.nonfinite is not NonFinite.stop or not self.built:
             return 0
-        return int(self.halted_at.numpy())
+        return int(self._guard.halted_at.numpy())
 
     # -- serialisation ----------------------------------------------------------------------------
     def get_config(self):
         return {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "accum_steps": self.accum_steps,
-            "reduction": self.reduction.value,
-            "use_agc": self.use_agc,
-            "clip_factor": self.clip_factor,
-            "eps": self.eps,
-            "partial_window": self.partial_window.value,
-            "accumulator_dtype": self.accumulator_dtype,
-            "loss_scaling": self.loss_scaling,
-            "initial_scale": self.initial_scale,
-            "dynamic_growth_steps": self.dynamic_growth_steps,
-            "nonfinite": None if self.nonfinite is None else self.nonfinite.value,
+            **self.config.to_dict(),
         }
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        config["optimizer"] = keras.saving.deserialize_keras_object(
-            config["optimizer"], custom_objects=custom_objects
+        optimizer = keras.saving.deserialize_keras_object(
+            config.pop("optimizer"), custom_objects=custom_objects
         )
-        return cls(**config)
+        name = config.pop("name", "GradientAccumulateOptimizer")
+        return cls(optimizer, name=name, config=AccumulationConfig(**config))
 
 
 class NonFiniteError(FloatingPointError):

@@ -13,6 +13,7 @@ import warnings
 import keras
 from keras import ops
 
+from gacli import _keras_compat as compat
 from gacli.options import BatchNormPolicy, parse_option
 
 
@@ -48,7 +49,11 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
         def state(name, shape, dtype="float32"):
             return self.add_weight(
-                shape=shape, initializer="zeros", dtype=dtype, trainable=False, autocast=False,
+                shape=shape,
+                initializer="zeros",
+                dtype=dtype,
+                trainable=False,
+                autocast=False,
                 name=name,
             )
 
@@ -64,7 +69,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         if mask is None:
             shape = ops.shape(inputs)
             count = 1.0
-            for axis in self._reduction_axes:
+            for axis in compat.batchnorm_reduction_axes(self):
                 count = count * ops.cast(shape[axis], "float32")
         else:
             # Keras broadcasts a mask over the channel axis: every channel sees sum(mask).
@@ -87,8 +92,13 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None
         beta = ops.cast(self.beta, inputs.dtype) if self.center else None
         outputs = ops.batch_normalization(
-            x=inputs, mean=ops.cast(mean, inputs.dtype), variance=ops.cast(variance, inputs.dtype),
-            axis=self.axis, offset=beta, scale=gamma, epsilon=self.epsilon,
+            x=inputs,
+            mean=ops.cast(mean, inputs.dtype),
+            variance=ops.cast(variance, inputs.dtype),
+            axis=self.axis,
+            offset=beta,
+            scale=gamma,
+            epsilon=self.epsilon,
         )
         return ops.cast(outputs, self.compute_dtype)
 
@@ -104,7 +114,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         delta = mean - self.window_mean
         pooled_mean = self.window_mean + delta * ops.divide_no_nan(count, total)
         pooled_m2 = (
-            self.window_m2 + variance * count
+            self.window_m2
+            + variance * count
             + ops.square(delta) * ops.divide_no_nan(previous_count * count, total)
         )
         position = self.window_position + 1
@@ -129,7 +140,10 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             return
         if apply:
             self._close_window_if(
-                self.window_count > 0, self.window_count, self.window_mean, self.window_m2,
+                self.window_count > 0,
+                self.window_count,
+                self.window_mean,
+                self.window_m2,
                 self.window_position,
             )
         else:
@@ -155,20 +169,26 @@ class BatchGroupNormalization(keras.layers.GroupNormalization):
 
 def _batchnorm_layers(model):
     return [
-        layer for layer in model._flatten_layers(include_self=False)
+        layer
+        for layer in compat.sublayers(model)
         if isinstance(layer, keras.layers.BatchNormalization)
     ]
 
 
 def plain_batchnorm_layers(model):
     """The Keras BatchNormalization layers inside ``model`` that gacli has not replaced."""
-    return [layer for layer in _batchnorm_layers(model)
-            if type(layer) is keras.layers.BatchNormalization]
+    return [
+        layer
+        for layer in _batchnorm_layers(model)
+        if type(layer) is keras.layers.BatchNormalization
+    ]
 
 
 def accum_batchnorm_layers(model):
     """The AccumBatchNormalization layers inside ``model`` (nested models included)."""
-    return [layer for layer in _batchnorm_layers(model) if isinstance(layer, AccumBatchNormalization)]
+    return [
+        layer for layer in _batchnorm_layers(model) if isinstance(layer, AccumBatchNormalization)
+    ]
 
 
 def _group_count(channels, groups):
@@ -191,8 +211,12 @@ def _swap_layer(layer, policy, accum_steps, groups):
         return new
     channels = layer.gamma.shape[0] if layer.scale else layer.moving_mean.shape[0]
     new = BatchGroupNormalization(
-        groups=_group_count(channels, groups), axis=layer.axis, epsilon=layer.epsilon,
-        center=layer.center, scale=layer.scale, name=f"{layer.name}_group_norm",
+        groups=_group_count(channels, groups),
+        axis=layer.axis,
+        epsilon=layer.epsilon,
+        center=layer.center,
+        scale=layer.scale,
+        name=f"{layer.name}_group_norm",
     )
     new.build(layer.input.shape)
     if layer.scale:
@@ -200,9 +224,6 @@ def _swap_layer(layer, policy, accum_steps, groups):
     if layer.center:
         new.beta.assign(layer.beta)
     return new
-
-
-_warned_keep = False
 
 
 def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32, warn=True):
@@ -226,9 +247,9 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32,
             says so in its start-up panel instead).
 
     Example:
-        >>> model = apply_batchnorm_policy(keras.applications.ResNet50(weights=None), "accumulate", 8)
+        >>> base = keras.applications.ResNet50(weights=None)
+        >>> model = apply_batchnorm_policy(base, "accumulate", 8)
     """
-    global _warned_keep
     policy = parse_option(BatchNormPolicy, policy, "batchnorm")
     layers = plain_batchnorm_layers(model)
     if not layers:
@@ -236,8 +257,8 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32,
     if policy is BatchNormPolicy.precise:
         return model  # the layers train as they are; PreciseBatchNorm sets their statistics
     if policy is BatchNormPolicy.keep:
-        if warn and accum_steps > 1 and not _warned_keep:
-            _warned_keep = True
+        if warn and accum_steps > 1:
+            # Python's warning filters show it once per place it is called from.
             warnings.warn(
                 f"{len(layers)} BatchNormalization layer(s) compute statistics per micro-batch, "
                 "not per window; use batchnorm policy 'accumulate' (AccumBatchNormalization) for "
@@ -249,9 +270,7 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32,
         for layer in layers:
             layer.trainable = False
         return model
-    from keras.src.models.functional import Functional
-
-    if not isinstance(model, (Functional, keras.Sequential)):
+    if not compat.is_functional(model):
         raise ValueError(
             f"batchnorm={policy.value!r} rewires the model's graph, which a subclassed model does "
             "not have; build it with gacli.AccumBatchNormalization (or GroupNormalization) "

@@ -23,7 +23,7 @@ _HELP = """ga-train: train a Keras model with exact gradient accumulation.
 
   ga-train                                     the default job (MLP on digits)
   ga-train config=unet.yaml accum_steps=8      a shipped recipe, with an override
-  ga-train config=my_run.yaml                  your own YAML (start it with defaults: [/train, _self_])
+  ga-train config=my_run.yaml                  your YAML (it begins: defaults: [/train, _self_])
   ga-train effective_batch_size=256 micro_batch_size=16     any two of the three batch keys
   ga-train -m accum_steps=1,2,4,8              a sweep (Hydra multirun)
   ga-train config=unet.yaml resume=true        continue this command's interrupted run
@@ -67,20 +67,27 @@ def _versions():
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    return (f"gacli {version('gacli')} (TensorFlow {version('tensorflow')}, "
-            f"Keras {version('keras')}, Hydra {version('hydra-core')})")
+    return (
+        f"gacli {version('gacli')} (TensorFlow {version('tensorflow')}, "
+        f"Keras {version('keras')}, Hydra {version('hydra-core')})"
+    )
 
 
 def locate_config(value):
     """(config_path for hydra.main, config_name, label) for a ``config=`` value."""
     if value is None:
         return "pkg://gacli.configs", "train", "default"
-    name = value[:-5] if value.endswith(".yaml") else value[:-4] if value.endswith(".yml") else value
+    name = (
+        value[:-5] if value.endswith(".yaml") else value[:-4] if value.endswith(".yml") else value
+    )
     path_like = os.path.sep in value or value.startswith(".")
     if not path_like and name in _names("gacli.recipes"):
         if os.path.isfile(value):
-            print(f"ga-train: config={value} is the shipped recipe; ./{value} here is not used "
-                  f"(config=./{value} takes the file).", file=sys.stderr)
+            print(
+                f"ga-train: config={value} is the shipped recipe; ./{value} here is not used "
+                f"(config=./{value} takes the file).",
+                file=sys.stderr,
+            )
         return "pkg://gacli.recipes", name, name
     if os.path.isfile(value):
         path = os.path.abspath(value)
@@ -136,8 +143,11 @@ def _last_unfinished_run(label, assignments):
     """
     root = os.path.join("outputs", label)
     runs = sorted(os.listdir(root), reverse=True) if os.path.isdir(root) else []
-    unfinished = [os.path.join(root, run) for run in runs
-                  if not os.path.exists(os.path.join(root, run, rundir.RESULT_FILE))]
+    unfinished = [
+        os.path.join(root, run)
+        for run in runs
+        if not os.path.exists(os.path.join(root, run, rundir.RESULT_FILE))
+    ]
     same = [run_dir for run_dir in unfinished if _same_command(run_dir, assignments)]
     for run_dir in same:
         if rundir.has_restorable_checkpoint(run_dir):
@@ -173,8 +183,9 @@ def _resolve_resume(overrides, label):
             "overrides and resume=<its directory>."
         )
     given_dir = [o.split("=", 1)[1].strip("'\"") for o in rest if _key(o) == "hydra.run.dir"]
-    assignments = [o for o in rest if "=" in o and not o.startswith("-")
-                   and not _key(o).startswith("hydra.")]
+    assignments = [
+        o for o in rest if "=" in o and not o.startswith("-") and not _key(o).startswith("hydra.")
+    ]
     if value.lower() in _YES and not given_dir and "strategy=multi_worker" in assignments:
         raise ConfigError(
             "resume=true cannot tell the workers' run directories apart (only the chief's holds "
@@ -198,7 +209,8 @@ def _resolve_resume(overrides, label):
         )
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     return [o for o in rest if _key(o) != "hydra.run.dir"] + [
-        f"resume='{run_dir}'", f"hydra.run.dir='{run_dir}'",
+        f"resume='{run_dir}'",
+        f"hydra.run.dir='{run_dir}'",
         f"hydra.output_subdir=.hydra/resumed-{stamp}",
     ]
 
@@ -217,16 +229,19 @@ def _check_run_dirs(options, assignments, launch):
     fixed = [a.split("=", 1)[1].strip("'\"") for a in assignments if _key(a) == "hydra.run.dir"]
     multirun = any(o in ("-m", "--multirun") for o in options)
     if multirun:
-        sweep = [a.split("=", 1)[1].strip("'\"") for a in assignments
-                 if _key(a) == "hydra.sweep.dir"]
+        sweep = [
+            a.split("=", 1)[1].strip("'\"") for a in assignments if _key(a) == "hydra.sweep.dir"
+        ]
         if sweep and os.path.isdir(sweep[-1]) and os.listdir(sweep[-1]):
             raise ConfigError(
                 f"hydra.sweep.dir={sweep[-1]} already holds a sweep's runs; a sweep never writes "
                 "into another's directory. Give a new hydra.sweep.dir, or leave it unset (each "
                 "sweep gets a new directory)."
             )
-        rundir.check_writable(rundir.nearest_existing(sweep[-1] if sweep else os.getcwd()),
-                              "the directory for run outputs,")
+        rundir.check_writable(
+            rundir.nearest_existing(sweep[-1] if sweep else os.getcwd()),
+            "the directory for run outputs,",
+        )
         return
     if not fixed or "${" in fixed[-1] or fixed[-1].startswith("~"):
         # Hydra resolves those itself; the job checks and locks the directory it gets.
@@ -252,41 +267,71 @@ def main(argv=None):
         return 0
     launch = _Launch(command=" ".join(["ga-train", *argv]))
     try:
-        config, overrides = _split_config_argument(argv)
-        config_path, config_name, label = locate_config(config)
-        if any(flag in overrides for flag in ("--help", "-h")):
-            print(_HELP.format(
-                recipes=", ".join(r + ".yaml" for r in _names("gacli.recipes")),
-                **{plural: ", ".join(_names("gacli.configs", group)) for group, plural in
-                   (("model", "models"), ("dataset", "datasets"), ("optimizer", "optimizers"),
-                    ("precision", "precisions"), ("strategy", "strategies"))},
-            ))
-            return 0
-        from gacli.user_config import GROUPS, check_overrides, check_user_yaml
-
-        if not config_path.startswith("pkg://"):
-            check_user_yaml(os.path.join(config_path, config_name), config,
-                            {group: _names("gacli.configs", group) for group in GROUPS})
-        # Hydra's parser wants its options (-m, --cfg job, ...) before the key=value overrides;
-        # a bare --info would take the next override for its argument.
-        options = ["--info=all" if a == "--info" else a for a in overrides
-                   if a.startswith("-") or "=" not in a]
-        check_overrides([a for a in overrides if a not in options and a != "--info"])
-        overrides = _resolve_resume(overrides, label)
-        assignments = [a for a in overrides if not (a.startswith("-") or "=" not in a)]
-        if not any(o.startswith(("--cfg", "--info", "-c", "-i")) for o in options):
-            _check_run_dirs(options, assignments, launch)
+        checked = _check_command_line(argv, launch)
     except ConfigError as error:
         return _error(error)
+    if checked is None:
+        return 0  # --help was printed
+    return _run_hydra(*checked, launch)
 
+
+def _check_command_line(argv, launch):
+    """Everything checked before Hydra starts: the config file, the overrides, the run
+    directories. Returns (config path, config name, label, Hydra options, assignments,
+    overrides), or None after printing --help."""
+    config, overrides = _split_config_argument(argv)
+    config_path, config_name, label = locate_config(config)
+    if any(flag in overrides for flag in ("--help", "-h")):
+        print(
+            _HELP.format(
+                recipes=", ".join(r + ".yaml" for r in _names("gacli.recipes")),
+                **{
+                    plural: ", ".join(_names("gacli.configs", group))
+                    for group, plural in (
+                        ("model", "models"),
+                        ("dataset", "datasets"),
+                        ("optimizer", "optimizers"),
+                        ("precision", "precisions"),
+                        ("strategy", "strategies"),
+                    )
+                },
+            )
+        )
+        return None
+    from gacli.user_config import GROUPS, check_overrides, check_user_yaml
+
+    if not config_path.startswith("pkg://"):
+        check_user_yaml(
+            os.path.join(config_path, config_name),
+            config,
+            {group: _names("gacli.configs", group) for group in GROUPS},
+        )
+    # Hydra's parser wants its options (-m, --cfg job, ...) before the key=value overrides;
+    # a bare --info would take the next override for its argument.
+    options = [
+        "--info=all" if a == "--info" else a for a in overrides if a.startswith("-") or "=" not in a
+    ]
+    check_overrides([a for a in overrides if a not in options and a != "--info"])
+    overrides = _resolve_resume(overrides, label)
+    assignments = [a for a in overrides if not (a.startswith("-") or "=" not in a)]
+    if not any(o.startswith(("--cfg", "--info", "-c", "-i")) for o in options):
+        _check_run_dirs(options, assignments, launch)
+    return config_path, config_name, label, options, assignments, overrides
+
+
+def _run_hydra(config_path, config_name, label, options, assignments, overrides, launch):
+    """Compose the config with Hydra and run the job(s); the exit code."""
     import hydra
 
     from gacli.config import register_configs
 
     register_configs()
     # hydra/job_logging=stdout: Python logging to the terminal only, no empty <job>.log per run.
-    extra = [f"config={label}", "hydra.searchpath=[pkg://gacli.configs]",
-             "hydra/job_logging=stdout"]
+    extra = [
+        f"config={label}",
+        "hydra.searchpath=[pkg://gacli.configs]",
+        "hydra/job_logging=stdout",
+    ]
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
         extra.append(f"hydra.run.dir={_RUN_DIR}")
     if not any(o.startswith("hydra.sweep.dir=") for o in overrides):
@@ -294,8 +339,10 @@ def main(argv=None):
     if not any(o.startswith("hydra.sweep.subdir=") for o in overrides):
         # One directory per job named by its overrides: a sweep opens in TensorBoard as a
         # comparison of, e.g., accum_steps=1 ... accum_steps=8.
-        extra += ["hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}",
-                  "hydra.job.config.override_dirname.exclude_keys=[config]"]
+        extra += [
+            "hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}",
+            "hydra.job.config.override_dirname.exclude_keys=[config]",
+        ]
 
     def task(cfg):
         return _task(cfg, launch)
@@ -339,8 +386,9 @@ def _task(cfg, launch):
             tf.config.list_physical_devices()  # CUDA's probe, and its messages, happen here
         from gacli.train import train
 
-        metrics = train(cfg, run_dir=run_dir, given=given,
-                        parallel_jobs=_parallel_jobs(hydra_config))
+        metrics = train(
+            cfg, run_dir=run_dir, given=given, parallel_jobs=_parallel_jobs(hydra_config)
+        )
     except ConfigError as error:
         if not cfg.resume and os.path.realpath(run_dir) != os.path.realpath(launch.kept_dir or ""):
             rundir.discard_unstarted(run_dir)

@@ -16,13 +16,12 @@ from omegaconf import MISSING
 from gacli.errors import ConfigError, Interrupted  # noqa: F401  (imported from here by callers)
 from gacli.options import BatchNormPolicy, NonFinite, PartialWindow
 
-
 # Enum members are lower case because OmegaConf matches a YAML/command-line string to a member by
 # its name: optimizer.name=adam must find OptimizerName.adam (see gacli.options).
 
 
 # Keys a resumed run may change: they change neither the updates nor the order of the data.
-FREE_ON_RESUME = ("resume", "progress", "output_dir", "steps_per_execution")
+FREE_ON_RESUME = ("resume", "progress", "output_dir", "steps_per_execution", "monitor")
 
 
 class Wrapper(str, enum.Enum):
@@ -143,6 +142,13 @@ class StrategyConfig:
 
 
 @dataclass
+class MonitorConfig:
+    # The gradient noise scale from the micro-batches: TensorBoard's gns/ tags and a line in the
+    # run's summary that compares it with the effective batch.
+    gns: bool = True
+
+
+@dataclass
 class TrainConfig:
     config: str = "default"  # the recipe or YAML file this run was composed from
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -150,6 +156,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     micro_batch_size: Optional[int] = None  # samples per forward/backward pass, per replica
     accum_steps: Optional[int] = None  # micro-batches per optimizer update
     effective_batch_size: Optional[int] = None  # micro x accum x replicas
@@ -216,52 +223,11 @@ def resolve_batch(micro_batch_size, accum_steps, effective_batch_size, replicas,
     Returns:
         A :class:`BatchPlan`.
     """
-    values = dict(zip(_BATCH_KEYS, (micro_batch_size, accum_steps, effective_batch_size)))
-    for key, value in values.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(
-                f"{key}={value} must be a whole number >= 1, e.g. {key}="
-                f"{ {'micro_batch_size': 16, 'accum_steps': 4, 'effective_batch_size': 64}[key] }."
-            )
-    configured = [key for key in _BATCH_KEYS if values[key] is not None]
-    from_command_line = [key for key in configured if key in given]
-    if from_command_line:
-        # Command-line keys first; then the micro-batch (it is what fits in memory), then accum.
-        kept = from_command_line + [k for k in configured if k not in from_command_line]
-        kept = kept[: max(2, len(from_command_line))]
-    else:
-        kept = configured  # all from config files: every value is checked, none dropped
-    micro = values["micro_batch_size"] if "micro_batch_size" in kept else None
-    accum = values["accum_steps"] if "accum_steps" in kept else None
-    effective = values["effective_batch_size"] if "effective_batch_size" in kept else None
-    if micro is None and (accum is None or effective is None):
-        micro = 32  # the default micro-batch when it cannot be derived
-    if accum is None and effective is None:
-        accum = 1
+    micro, accum, effective, from_command_line = _chosen_batch_values(
+        micro_batch_size, accum_steps, effective_batch_size, given
+    )
     if micro is not None and accum is not None:
-        plan = BatchPlan(micro, accum, replicas)
-        disagree = effective is not None and effective != plan.effective_batch_size
-        if disagree and not from_command_line:
-            # All three from config files: the usual cause is a YAML that sets two of them and
-            # leaves the default job's accum_steps in place.
-            derived = ("accum_steps: null", f"accum_steps = {effective // (micro * replicas)}") \
-                if effective % (micro * replicas) == 0 else \
-                ("effective_batch_size: null", f"effective_batch_size = {plan.effective_batch_size}")
-            raise ConfigError(
-                f"micro_batch_size={micro}, accum_steps={accum} and effective_batch_size="
-                f"{effective} are all set in the config files (the default job sets accum_steps: "
-                f"4) and disagree: {micro} x {accum} x {replicas} replica(s) = "
-                f"{plan.effective_batch_size}. Set the one to derive to null in your YAML, e.g. "
-                f"{derived[0]} (then {derived[1]}), or give two of them on the command line."
-            )
-        if effective is not None and effective != plan.effective_batch_size:
-            raise ConfigError(
-                f"effective_batch_size={effective} does not equal micro_batch_size x accum_steps x "
-                f"replicas = {micro} x {accum} x {replicas} = {plan.effective_batch_size}; set "
-                "two of the three (the third is derived), e.g. "
-                f"effective_batch_size={plan.effective_batch_size}."
-            )
-        return plan
+        return _checked_plan(micro, accum, effective, replicas, from_command_line)
     if micro is not None:
         per_update = micro * replicas
         if effective % per_update:
@@ -283,6 +249,68 @@ def resolve_batch(micro_batch_size, accum_steps, effective_batch_size, replicas,
     return BatchPlan(effective // per_micro, accum, replicas)
 
 
+def _chosen_batch_values(micro_batch_size, accum_steps, effective_batch_size, given):
+    """(micro, accum, effective, keys from the command line): the values that decide the plan,
+    None for the one to derive."""
+    values = dict(zip(_BATCH_KEYS, (micro_batch_size, accum_steps, effective_batch_size)))
+    for key, value in values.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ConfigError(
+                f"{key}={value} must be a whole number >= 1, e.g. {key}="
+                f"{ {'micro_batch_size': 16, 'accum_steps': 4, 'effective_batch_size': 64}[key] }."
+            )
+    configured = [key for key in _BATCH_KEYS if values[key] is not None]
+    from_command_line = [key for key in configured if key in given]
+    if from_command_line:
+        # Command-line keys first; then the micro-batch (it is what fits in memory), then accum.
+        kept = from_command_line + [k for k in configured if k not in from_command_line]
+        kept = kept[: max(2, len(from_command_line))]
+    else:
+        kept = configured  # all from config files: every value is checked, none dropped
+    micro = values["micro_batch_size"] if "micro_batch_size" in kept else None
+    accum = values["accum_steps"] if "accum_steps" in kept else None
+    effective = values["effective_batch_size"] if "effective_batch_size" in kept else None
+    if micro is None and (accum is None or effective is None):
+        micro = 32  # the default micro-batch when it cannot be derived
+    if accum is None and effective is None:
+        accum = 1
+    return micro, accum, effective, from_command_line
+
+
+def _checked_plan(micro, accum, effective, replicas, from_command_line):
+    """The plan of ``micro`` x ``accum``; a ConfigError when ``effective`` disagrees."""
+    plan = BatchPlan(micro, accum, replicas)
+    disagree = effective is not None and effective != plan.effective_batch_size
+    if disagree and not from_command_line:
+        # All three from config files: the usual cause is a YAML that sets two of them and
+        # leaves the default job's accum_steps in place.
+        derived = (
+            ("accum_steps: null", f"accum_steps = {effective // (micro * replicas)}")
+            if effective % (micro * replicas) == 0
+            else (
+                "effective_batch_size: null",
+                f"effective_batch_size = {plan.effective_batch_size}",
+            )
+        )
+        raise ConfigError(
+            f"micro_batch_size={micro}, accum_steps={accum} and effective_batch_size="
+            f"{effective} are all set in the config files (the default job sets accum_steps: "
+            f"4) and disagree: {micro} x {accum} x {replicas} replica(s) = "
+            f"{plan.effective_batch_size}. Set the one to derive to null in your YAML, e.g. "
+            f"{derived[0]} (then {derived[1]}), or give two of them on the command line."
+        )
+    if disagree:
+        raise ConfigError(
+            f"effective_batch_size={effective} does not equal micro_batch_size x accum_steps x "
+            f"replicas = {micro} x {accum} x {replicas} = {plan.effective_batch_size}; set "
+            "two of the three (the third is derived), e.g. "
+            f"effective_batch_size={plan.effective_batch_size}."
+        )
+    return plan
+
+
 def expected_replicas(strategy):
     """Replicas a strategy config will have, where that is known without TensorFlow, else None."""
     if strategy.name in (StrategyName.default, StrategyName.one_device):
@@ -297,8 +325,9 @@ def expected_replicas(strategy):
 def validate(cfg, given=()):
     """Cross-field checks that need no TensorFlow; raises ConfigError saying what to type."""
     replicas = expected_replicas(cfg.strategy)
-    resolve_batch(cfg.micro_batch_size, cfg.accum_steps, cfg.effective_batch_size,
-                  replicas or 1, given)
+    resolve_batch(
+        cfg.micro_batch_size, cfg.accum_steps, cfg.effective_batch_size, replicas or 1, given
+    )
     if cfg.epochs < 1:
         raise ConfigError(f"epochs={cfg.epochs} must be >= 1, e.g. epochs=3.")
     if cfg.steps_per_epoch is not None and cfg.steps_per_epoch < 1:

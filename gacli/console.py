@@ -58,7 +58,8 @@ def summary_table(console, rows):
 
 def _format_logs(logs):
     return "  ".join(
-        f"{key} {float(value):.4g}" for key, value in (logs or {}).items()
+        f"{key} {float(value):.4g}"
+        for key, value in (logs or {}).items()
         if key in ("loss", "accuracy", "iou", "val_loss", "val_accuracy", "val_iou")
     )
 
@@ -78,8 +79,18 @@ class ProgressCallback(keras.callbacks.Callback):
     ``clock``: the run's :class:`~gacli.throughput.TrainingClock`, placed before this callback.
     """
 
-    def __init__(self, console, mode, plan, accumulator, updates_per_epoch, epochs,
-                 parallel_jobs=False, *, clock):
+    def __init__(
+        self,
+        console,
+        mode,
+        plan,
+        accumulator,
+        updates_per_epoch,
+        epochs,
+        parallel_jobs=False,
+        *,
+        clock,
+    ):
         super().__init__()
         self.console = console
         self.plan = plan
@@ -88,8 +99,10 @@ class ProgressCallback(keras.callbacks.Callback):
         self.updates_per_epoch = updates_per_epoch
         self.epochs = epochs
         if mode == ProgressMode.auto:
-            mode = ProgressMode.rich if console.is_terminal and not parallel_jobs else (
-                ProgressMode.plain
+            mode = (
+                ProgressMode.rich
+                if console.is_terminal and not parallel_jobs
+                else (ProgressMode.plain)
             )
         self.mode = mode
         self._progress = None
@@ -104,15 +117,24 @@ class ProgressCallback(keras.callbacks.Callback):
         self._started = True
         if self.mode == ProgressMode.rich:
             self._progress = Progress(
-                TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("epoch {task.fields[epoch]}"),
+                BarColumn(),
+                MofNCompleteColumn(),
                 TextColumn("updates  micro {task.fields[micro]}"),
-                TextColumn("{task.fields[metrics]}"), TextColumn("{task.fields[speed]}"),
-                TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
+                TextColumn("{task.fields[metrics]}"),
+                TextColumn("{task.fields[speed]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
             )
             self._progress.start()
             self._task = self._progress.add_task(
-                "train", total=self.updates_per_epoch * self.epochs, epoch=1, micro=0,
-                metrics="", speed="",
+                "train",
+                total=self.updates_per_epoch * self.epochs,
+                epoch=1,
+                micro=0,
+                metrics="",
+                speed="",
             )
 
     def _speed(self, micro_step):
@@ -131,8 +153,11 @@ class ProgressCallback(keras.callbacks.Callback):
         self._last_line = time.perf_counter()
         micro_step = int(self.accumulator.micro_step.numpy())
         self._progress.update(
-            self._task, completed=int(self.accumulator.optimizer_step.numpy()),
-            micro=micro_step, metrics=_format_logs(logs), speed=self._speed(micro_step),
+            self._task,
+            completed=int(self.accumulator.optimizer_step.numpy()),
+            micro=micro_step,
+            metrics=_format_logs(logs),
+            speed=self._speed(micro_step),
         )
 
     def _line(self, logs, prefix=""):
@@ -140,15 +165,17 @@ class ProgressCallback(keras.callbacks.Callback):
         self.console.print(
             f"{prefix}update {int(self.accumulator.optimizer_step.numpy())}"
             f"/{self.updates_per_epoch * self.epochs}  micro-batch {micro_step}  "
-            f"{_format_logs(logs)}  {self._speed(micro_step)}", soft_wrap=True
+            f"{_format_logs(logs)}  {self._speed(micro_step)}",
+            soft_wrap=True,
         )
 
     def on_epoch_end(self, epoch, logs=None):
         if self.mode == ProgressMode.rich:
             self._refresh({k: v for k, v in (logs or {}).items() if not k.startswith("val_")})
             self._progress.update(self._task, epoch=min(epoch + 2, self.epochs))
-            self._progress.console.print(f"epoch {epoch + 1}/{self.epochs}  {_format_logs(logs)}",
-                                         soft_wrap=True)
+            self._progress.console.print(
+                f"epoch {epoch + 1}/{self.epochs}  {_format_logs(logs)}", soft_wrap=True
+            )
         elif self.mode == ProgressMode.plain:
             self._line(logs, prefix=f"epoch {epoch + 1}/{self.epochs}  ")
 

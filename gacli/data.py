@@ -57,8 +57,9 @@ def _check_arrays(x, y, cfg, source, task, num_outputs):
     """ConfigError naming the rows of non-finite inputs or targets and of bad labels; returns
     the number of classes for classification."""
     if not np.issubdtype(x.dtype, np.number) and x.dtype != bool:
-        raise ConfigError(f"{source}: the inputs have dtype {x.dtype}; save numbers "
-                          "(e.g. x.astype('float32')).")
+        raise ConfigError(
+            f"{source}: the inputs have dtype {x.dtype}; save numbers (e.g. x.astype('float32'))."
+        )
     bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1) if len(x) else np.zeros(0, bool)
     if bad.any():
         raise ConfigError(
@@ -69,8 +70,9 @@ def _check_arrays(x, y, cfg, source, task, num_outputs):
     if task == "segmentation":
         bad = ~np.isfinite(y.reshape(len(y), -1)).all(axis=1) if len(y) else np.zeros(0, bool)
         if bad.any():
-            raise ConfigError(f"{source}: the masks of {_first_rows(bad)} hold inf or nan; "
-                              "replace or drop them.")
+            raise ConfigError(
+                f"{source}: the masks of {_first_rows(bad)} hold inf or nan; replace or drop them."
+            )
         return num_outputs
     return _check_labels(y, cfg, source, num_outputs)
 
@@ -78,10 +80,15 @@ def _check_arrays(x, y, cfg, source, task, num_outputs):
 def _check_labels(y, cfg, source, num_outputs, name=lambda row: f"row {row}"):
     """The number of classes; ConfigError naming the labels that are not class indices."""
     if not np.issubdtype(y.dtype, np.number):
-        raise ConfigError(f"{source}: the labels have dtype {y.dtype}; classification needs "
-                          "integer class indices 0 .. num_classes-1.")
-    fractional = ~np.isfinite(y) | (y != np.round(y)) if np.issubdtype(y.dtype, np.floating) \
+        raise ConfigError(
+            f"{source}: the labels have dtype {y.dtype}; classification needs "
+            "integer class indices 0 .. num_classes-1."
+        )
+    fractional = (
+        ~np.isfinite(y) | (y != np.round(y))
+        if np.issubdtype(y.dtype, np.floating)
         else np.zeros(len(y), bool)
+    )
     if fractional.any():
         raise ConfigError(
             f"{source}: the labels of {_first_rows(fractional, name)} are not whole numbers; "
@@ -94,8 +101,11 @@ def _check_labels(y, cfg, source, num_outputs, name=lambda row: f"row {row}"):
         raise ConfigError(
             f"{source}: the labels of {_first_rows(outside, name)} lie outside 0 .. {classes - 1} "
             f"(the first is {int(y[np.flatnonzero(outside)[0]])}); "
-            + ("set dataset.num_classes to the number of classes, or fix those labels."
-               if cfg.num_classes else "labels must be class indices counted from 0.")
+            + (
+                "set dataset.num_classes to the number of classes, or fix those labels."
+                if cfg.num_classes
+                else "labels must be class indices counted from 0."
+            )
         )
     return classes
 
@@ -139,8 +149,15 @@ def digits(cfg, seed):
 
     data = load_digits()
     x = (data.images / 16.0).astype("float32")[..., None]
-    return _from_arrays(x, data.target.astype("int32"), cfg, seed, "classification", 10,
-                        source="scikit-learn's digits")
+    return _from_arrays(
+        x,
+        data.target.astype("int32"),
+        cfg,
+        seed,
+        "classification",
+        10,
+        source="scikit-learn's digits",
+    )
 
 
 def shapes(cfg, seed):
@@ -161,8 +178,9 @@ def shapes(cfg, seed):
                 shape = (np.abs(rows - cy) <= radius) & (np.abs(cols - cx) <= radius)
             images[index][shape] += 1.0
     x = np.repeat(images[..., None], cfg.channels, axis=-1)
-    return _from_arrays(x, masks[..., None], cfg, seed, "segmentation", 1,
-                        source=f"shapes (seed {seed})")
+    return _from_arrays(
+        x, masks[..., None], cfg, seed, "segmentation", 1, source=f"shapes (seed {seed})"
+    )
 
 
 def _require_path(cfg, what):
@@ -194,8 +212,10 @@ def npz(cfg, seed):
 
 def _read_npz(path, cfg):
     """(x, y) from a .npz file, with no pickled objects; ConfigError naming the file otherwise."""
-    advice = (f"write it with numpy.savez('{os.path.basename(path)}', {cfg.x_key}=inputs, "
-              f"{cfg.y_key}=targets) from numeric arrays")
+    advice = (
+        f"write it with numpy.savez('{os.path.basename(path)}', {cfg.x_key}=inputs, "
+        f"{cfg.y_key}=targets) from numeric arrays"
+    )
     try:
         arrays = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
@@ -253,8 +273,9 @@ def image_folder(cfg, seed):
     for label, name in enumerate(classes):
         folder = os.path.join(path, name)
         for entry in sorted(os.listdir(folder)):
-            if entry.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(os.path.join(folder,
-                                                                                     entry)):
+            if entry.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(
+                os.path.join(folder, entry)
+            ):
                 files.append(os.path.join(folder, entry))
                 labels.append(label)
     if not files:
@@ -268,8 +289,9 @@ def image_folder(cfg, seed):
     size = (cfg.image_size, cfg.image_size)
 
     def load(file, label):
-        image = tf.io.decode_image(tf.io.read_file(file), channels=cfg.channels,
-                                   expand_animations=False)
+        image = tf.io.decode_image(
+            tf.io.read_file(file), channels=cfg.channels, expand_animations=False
+        )
         return tf.image.resize(image, size) / 255.0, label
 
     def images(rows):
@@ -277,9 +299,14 @@ def image_folder(cfg, seed):
         return paths.map(load, num_parallel_calls=tf.data.AUTOTUNE)
 
     return DataBundle(
-        images(train_rows), images(validation_rows) if len(validation_rows) else None,
-        len(train_rows), len(validation_rows), (cfg.image_size, cfg.image_size, cfg.channels),
-        "classification", cfg.num_classes or len(classes), (),
+        images(train_rows),
+        images(validation_rows) if len(validation_rows) else None,
+        len(train_rows),
+        len(validation_rows),
+        (cfg.image_size, cfg.image_size, cfg.channels),
+        "classification",
+        cfg.num_classes or len(classes),
+        (),
         sample_name=lambda position: os.path.relpath(files[train_rows[position]], path),
         source=cfg.path,
     )
@@ -290,8 +317,9 @@ def _drop_undecodable(files, labels, cfg):
     (dataset.skip_bad_files=true) the lists without them and a warning that names them."""
 
     def decode(index, file):
-        image = tf.io.decode_image(tf.io.read_file(file), channels=cfg.channels,
-                                   expand_animations=False)
+        image = tf.io.decode_image(
+            tf.io.read_file(file), channels=cfg.channels, expand_animations=False
+        )
         return index, tf.shape(image)[0]  # an output that needs the decode, so it runs
 
     checked = tf.data.Dataset.from_tensor_slices((np.arange(len(files)), files))
@@ -300,8 +328,9 @@ def _drop_undecodable(files, labels, cfg):
     bad = [index for index in range(len(files)) if index not in readable]
     if not bad:
         return files, labels
-    named = "; ".join(f"{files[index]} ({_decode_error(files[index], cfg.channels)})"
-                      for index in bad[:3])
+    named = "; ".join(
+        f"{files[index]} ({_decode_error(files[index], cfg.channels)})" for index in bad[:3]
+    )
     more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
     if not cfg.skip_bad_files:
         raise ConfigError(
@@ -309,12 +338,15 @@ def _drop_undecodable(files, labels, cfg):
             f"{named}{more}. Replace or remove them, or train without them with "
             "dataset.skip_bad_files=true."
         )
-    print(f"dataset: skipping {len(bad)} image(s) that cannot be decoded "
-          f"(dataset.skip_bad_files=true): {named}{more}")
+    print(
+        f"dataset: skipping {len(bad)} image(s) that cannot be decoded "
+        f"(dataset.skip_bad_files=true): {named}{more}"
+    )
     keep = [index for index in range(len(files)) if index in readable]
     if not keep:
-        raise ConfigError(f"dataset.path={cfg.path}: none of its {len(files)} images can be "
-                          "decoded.")
+        raise ConfigError(
+            f"dataset.path={cfg.path}: none of its {len(files)} images can be decoded."
+        )
     return [files[index] for index in keep], [labels[index] for index in keep]
 
 
@@ -359,8 +391,9 @@ def tfrecord(cfg, seed):
     source = cfg.path if len(files) > 1 else files[0]
     labels = np.concatenate(labels) if labels else np.zeros(0, "int64")
     label_rows = labels.reshape(len(labels), -1) if labels.ndim > 1 else labels
-    num_outputs = _check_labels(label_rows if label_rows.ndim == 1 else label_rows[:, 0], cfg,
-                                source, None, record_name)
+    num_outputs = _check_labels(
+        label_rows if label_rows.ndim == 1 else label_rows[:, 0], cfg, source, None, record_name
+    )
 
     def parse(record):
         example = tf.io.parse_single_example(record, spec)
@@ -373,11 +406,18 @@ def tfrecord(cfg, seed):
         tf.data.experimental.assert_cardinality(total - validation_size)
     )
     validation = parsed.take(validation_size) if validation_size else None
-    return DataBundle(train, validation, total - validation_size, validation_size,
-                      tuple(cfg.features[cfg.input_key]["shape"]), "classification", num_outputs,
-                      tuple(cfg.features[cfg.label_key]["shape"]),
-                      sample_name=lambda position: record_name(position + validation_size),
-                      source=os.path.dirname(files[0]) if len(files) > 1 else files[0])
+    return DataBundle(
+        train,
+        validation,
+        total - validation_size,
+        validation_size,
+        tuple(cfg.features[cfg.input_key]["shape"]),
+        "classification",
+        num_outputs,
+        tuple(cfg.features[cfg.label_key]["shape"]),
+        sample_name=lambda position: record_name(position + validation_size),
+        source=os.path.dirname(files[0]) if len(files) > 1 else files[0],
+    )
 
 
 def _scan_tfrecord(file, spec, cfg):
@@ -390,8 +430,9 @@ def _scan_tfrecord(file, spec, cfg):
             examples = tf.io.parse_example(records, spec)
             inputs = examples[cfg.input_key]
             if inputs.dtype.is_floating:
-                finite = tf.reduce_all(tf.reshape(tf.math.is_finite(inputs), [len(records), -1]),
-                                       axis=1).numpy()
+                finite = tf.reduce_all(
+                    tf.reshape(tf.math.is_finite(inputs), [len(records), -1]), axis=1
+                ).numpy()
                 if not finite.all():
                     raise ConfigError(
                         f"{file} record {count + int(np.flatnonzero(~finite)[0])}: its "

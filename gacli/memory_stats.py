@@ -50,8 +50,11 @@ def host_memory_bytes():
 
 def _memory_devices():
     """Logical devices whose memory TensorFlow tracks: GPUs and TPUs (not the CPU)."""
-    return [device.name.split("device:")[-1]
-            for kind in ("GPU", "TPU") for device in tf.config.list_logical_devices(kind)]
+    return [
+        device.name.split("device:")[-1]
+        for kind in ("GPU", "TPU")
+        for device in tf.config.list_logical_devices(kind)
+    ]
 
 
 def device_memory_bytes():

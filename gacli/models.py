@@ -1,8 +1,8 @@
 """The model registry of ``ga-train``: a name, a builder, a clear error for anything else.
 
 Every builder takes ``(input_shape, num_outputs, task, cfg)`` and returns an uncompiled functional
-``keras.Model`` with logits outputs. ``model.factory=package.module:function`` is the one escape hatch
-for the user's own model; any ``keras.applications`` name works with ``weights=None``.
+``keras.Model`` with logits outputs. ``model.factory=package.module:function`` is the one escape
+hatch for the user's own model; any ``keras.applications`` name works with ``weights=None``.
 """
 
 import importlib
@@ -101,7 +101,9 @@ def resnet(input_shape, num_outputs, task, cfg):
         stride = 1 if stage == 0 or x.shape[1] < 4 else 2
         shortcut = x
         y = keras.layers.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False)(x)
-        y = keras.layers.Activation("relu")(keras.layers.BatchNormalization(momentum=_BN_MOMENTUM)(y))
+        y = keras.layers.Activation("relu")(
+            keras.layers.BatchNormalization(momentum=_BN_MOMENTUM)(y)
+        )
         y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(y)
         y = keras.layers.BatchNormalization(momentum=_BN_MOMENTUM)(y)
         if stride != 1 or shortcut.shape[-1] != filters:
@@ -117,8 +119,11 @@ def application(input_shape, num_outputs, task, cfg):
         raise ConfigError(f"model={cfg.name} (keras.applications) classifies; use model=unet.")
     try:
         return builder(
-            weights=None, input_shape=tuple(input_shape), classes=num_outputs,
-            classifier_activation=None, **dict(cfg.kwargs),
+            weights=None,
+            input_shape=tuple(input_shape),
+            classes=num_outputs,
+            classifier_activation=None,
+            **dict(cfg.kwargs),
         )
     except ValueError as error:
         raise ConfigError(

@@ -28,8 +28,10 @@ class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
         return keras.ops.where(step < warmup, warming, _evaluate(self.after, step - warmup))
 
     def get_config(self):
-        return {"after": keras.saving.serialize_keras_object(self.after),
-                "warmup_updates": self.warmup_updates}
+        return {
+            "after": keras.saving.serialize_keras_object(self.after),
+            "warmup_updates": self.warmup_updates,
+        }
 
     @classmethod
     def from_config(cls, config):
@@ -76,7 +78,9 @@ def build_optimizer(cfg, effective_batch_size, total_updates):
     """The inner (update-level) Keras optimizer for ``cfg``."""
     common = dict(
         learning_rate=learning_rate_schedule(cfg, effective_batch_size, total_updates),
-        clipnorm=cfg.clipnorm, global_clipnorm=cfg.global_clipnorm, use_ema=cfg.use_ema,
+        clipnorm=cfg.clipnorm,
+        global_clipnorm=cfg.global_clipnorm,
+        use_ema=cfg.use_ema,
     )
     if cfg.weight_decay and cfg.name != OptimizerName.adamw:
         common["weight_decay"] = cfg.weight_decay

@@ -65,8 +65,11 @@ class BatchNormStatistics:
         def swap(layer):
             if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
                 probe = _StatisticsProbe.from_config(
-                    {**layer.get_config(), "accum_steps": _NEVER_CLOSES,
-                     "name": f"{layer.name}_statistics_probe"}
+                    {
+                        **layer.get_config(),
+                        "accum_steps": _NEVER_CLOSES,
+                        "name": f"{layer.name}_statistics_probe",
+                    }
                 )
                 self.pairs.append((layer, probe))
                 return probe
@@ -140,8 +143,11 @@ class PreciseBatchNorm(keras.callbacks.Callback):
 
     def __init__(self, data, micro_batches=200, batch_size=None, before_validation=True):
         super().__init__()
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or (
-                micro_batches < 1):
+        if (
+            isinstance(micro_batches, bool)
+            or not isinstance(micro_batches, int)
+            or (micro_batches < 1)
+        ):
             raise ValueError(
                 f"micro_batches={micro_batches!r} must be a whole number >= 1 (training "
                 "micro-batches to pool the statistics over), e.g. micro_batches=200."

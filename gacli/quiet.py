@@ -41,8 +41,11 @@ _USER_LOGGING = ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL", "TF_CPP_VMODUL
 @contextlib.contextmanager
 def tensorflow_startup():
     """Inside, lines written to fd 2 that match the known start-up messages are dropped."""
-    if (not hasattr(os, "fork") or "tensorflow" in sys.modules
-            or any(name in os.environ for name in _USER_LOGGING)):
+    if (
+        not hasattr(os, "fork")
+        or "tensorflow" in sys.modules
+        or any(name in os.environ for name in _USER_LOGGING)
+    ):
         # Loaded already (a multirun's later job: its lines were filtered once, and forking a
         # process with TensorFlow's threads is not safe), or the user wants TensorFlow's logs.
         yield

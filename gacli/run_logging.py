@@ -33,9 +33,13 @@ def _scalar_value(tag, value):
     # Built directly: tensorboard's make_tensor_proto costs 0.14 ms a scalar, a twelfth of a
     # small model's update.
     return summary_pb2.Summary.Value(
-        tag=tag, metadata=_SCALAR,
-        tensor=tensor_pb2.TensorProto(dtype=types_pb2.DT_FLOAT, float_val=[float(value)],
-                                      tensor_shape=tensor_shape_pb2.TensorShapeProto()),
+        tag=tag,
+        metadata=_SCALAR,
+        tensor=tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_FLOAT,
+            float_val=[float(value)],
+            tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+        ),
     )
 
 
@@ -84,22 +88,28 @@ class TensorBoardLogger(keras.callbacks.Callback):
         self._epoch_done = 0
 
     def _write(self, step, values):
-        self.writer.add_event(event_pb2.Event(
-            step=int(step), wall_time=time.time(), summary=summary_pb2.Summary(value=values)
-        ))
+        self.writer.add_event(
+            event_pb2.Event(
+                step=int(step), wall_time=time.time(), summary=summary_pb2.Summary(value=values)
+            )
+        )
 
     def _open_window(self):
         """(micro-batches of the run, micro-batches of them in the open window)."""
-        return (int(self.accumulator.micro_step.numpy()),
-                int(self.accumulator.window_micro_steps.numpy()))
+        return (
+            int(self.accumulator.micro_step.numpy()),
+            int(self.accumulator.window_micro_steps.numpy()),
+        )
 
     def on_train_begin(self, logs=None):
         # Called once per fit(); a resumed run's first epoch is a fit() of its own.
         if not self._started:
             self._started = True
-            self.writer.add_event(event_pb2.Event(
-                wall_time=time.time(), summary=hparams_summary.hparams_pb(self.hparams)
-            ))
+            self.writer.add_event(
+                event_pb2.Event(
+                    wall_time=time.time(), summary=hparams_summary.hparams_pb(self.hparams)
+                )
+            )
         self._last_step = int(self.accumulator.optimizer_step.numpy())
         # A run resumed in the middle of a window has that window's micro-batches behind it.
         # (A plain model's fit() builds the optimizer in its first step: no window yet.)
@@ -152,14 +162,23 @@ class TensorBoardLogger(keras.callbacks.Callback):
                 values.append(_scalar_value(f"precision/{name}", number))
             elif not name.startswith("val_"):
                 values.append(_scalar_value(f"train/{name}", number))
+        noise = self.accumulator.noise_scale()
+        if noise is not None and noise["windows"]:
+            values += [
+                _scalar_value("gns/noise_scale", noise["noise_scale"]),
+                _scalar_value("gns/grad_sq", noise["grad_sq"]),
+                _scalar_value("gns/trace_cov", noise["trace_cov"]),
+            ]
         values += [
             _scalar_value("optimizer/lr", _number(self.accumulator.learning_rate)),
             _scalar_value("optimizer/step", step),
             _scalar_value("optimizer/micro_step", micro_step),
         ]
         reading = self.clock.reading(micro_step)
-        rates = {"throughput/samples_per_sec": samples_per_second(reading, self._last_reading),
-                 "throughput/mean_samples_per_sec": samples_per_second(reading)}
+        rates = {
+            "throughput/samples_per_sec": samples_per_second(reading, self._last_reading),
+            "throughput/mean_samples_per_sec": samples_per_second(reading),
+        }
         # None until there is training time after the first call.
         values += [_scalar_value(tag, rate) for tag, rate in rates.items() if rate is not None]
         if self.clock.first_call_seconds is not None and not self._first_call_logged:
@@ -167,8 +186,10 @@ class TensorBoardLogger(keras.callbacks.Callback):
             values.append(_scalar_value("time/first_call_seconds", self.clock.first_call_seconds))
         device = device_memory_bytes()
         if device is not None:
-            values += [_scalar_value("memory/device_current_bytes", device[0]),
-                       _scalar_value("memory/device_peak_bytes", device[1])]
+            values += [
+                _scalar_value("memory/device_current_bytes", device[0]),
+                _scalar_value("memory/device_peak_bytes", device[1]),
+            ]
         current, peak = host_memory_bytes()
         if current is not None:
             values.append(_scalar_value("memory/host_rss_bytes", current))
@@ -182,15 +203,18 @@ class TensorBoardLogger(keras.callbacks.Callback):
         step = int(self.accumulator.optimizer_step.numpy())
         if step != self._last_step:
             # The epoch's short window was applied at its end: its update gets its point too.
-            self._write_train(step, {k: v for k, v in (logs or {}).items()
-                                     if not k.startswith("val_")})
+            self._write_train(
+                step, {k: v for k, v in (logs or {}).items() if not k.startswith("val_")}
+            )
         if self.accumulator.epoch_end_action() is not None:
             # The window was applied or dropped: the next one starts with the next epoch.
             self._window_start = int(self.accumulator.micro_step.numpy())
             self._micro_batches_since = 0
-        values = [_scalar_value(f"val/{name[4:]}", number) for name, number in
-                  ((name, _number(value)) for name, value in (logs or {}).items())
-                  if name.startswith("val_") and number is not None]
+        values = [
+            _scalar_value(f"val/{name[4:]}", number)
+            for name, number in ((name, _number(value)) for name, value in (logs or {}).items())
+            if name.startswith("val_") and number is not None
+        ]
         if values:
             self._write(step, values)
         self.writer.flush()

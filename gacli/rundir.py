@@ -56,7 +56,8 @@ def is_chief():
         raise ConfigError(f"TF_CONFIG is not valid JSON: {raw!r}.") from None
     task = config.get("task", {})
     return task.get("type", "chief") == "chief" or (
-        task.get("type") == "worker" and task.get("index", 0) == 0
+        task.get("type") == "worker"
+        and task.get("index", 0) == 0
         and "chief" not in config.get("cluster", {})
     )
 
@@ -85,8 +86,10 @@ def lock(run_dir, command=""):
         ) from None
     handle.seek(0)
     handle.truncate()
-    handle.write(f"ga-train, pid {os.getpid()} on {socket.gethostname()}, started "
-                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n")
+    handle.write(
+        f"ga-train, pid {os.getpid()} on {socket.gethostname()}, started "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n"
+    )
     handle.flush()
     _held[path] = handle
 
@@ -182,8 +185,9 @@ def strict_json(value):
 def write_json(path, value):
     """Write ``value`` as strict JSON, atomically: readers see the old file or the whole new one."""
     directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".writing-", suffix=".json",
-                                     delete=False) as handle:
+    with tempfile.NamedTemporaryFile(
+        "w", dir=directory, prefix=".writing-", suffix=".json", delete=False
+    ) as handle:
         json.dump(strict_json(value), handle, indent=2, allow_nan=False)
         handle.flush()
         os.fsync(handle.fileno())
@@ -193,9 +197,10 @@ def write_json(path, value):
 def record_failure(run_dir, exit_code, message):
     """Mark a run that failed while training (its checkpoints stay; it can be resumed)."""
     if os.path.isdir(run_dir) and not os.path.exists(os.path.join(run_dir, RESULT_FILE)):
-        write_json(os.path.join(run_dir, FAILURE_FILE),
-                   {"exit_code": exit_code, "error": message,
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        write_json(
+            os.path.join(run_dir, FAILURE_FILE),
+            {"exit_code": exit_code, "error": message, "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
+        )
 
 
 # What a new run writes before training starts: Hydra's record of the job, the lock, the

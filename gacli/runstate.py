@@ -7,9 +7,10 @@ micro-batches the uninterrupted run would have read next, even from the middle o
 
 TensorFlow writes a checkpoint's data files first and its index file last, so an interrupted save
 leaves the previous checkpoint intact; a checkpoint damaged afterwards (a full disk, a copy cut
-short) is found on restore, set aside, and the newest intact one is used instead. Under MultiWorkerMirroredStrategy every worker takes part in
-a save (reading the accumulators is a collective); only the chief writes into the run directory,
-the others into a temporary directory that is removed afterwards.
+short) is found on restore, set aside, and the newest intact one is used instead. Under
+MultiWorkerMirroredStrategy every worker takes part in a save (reading the accumulators is a
+collective); only the chief writes into the run directory, the others into a temporary directory
+that is removed afterwards.
 """
 
 import glob
@@ -39,13 +40,15 @@ def pass_order(size, pass_index, shuffle_seed=None, buffer_size=10_000):
     data does."""
     positions = tf.data.Dataset.range(size)
     if shuffle_seed is not None:
-        positions = positions.shuffle(buffer_size, seed=pass_seed(shuffle_seed, pass_index),
-                                      reshuffle_each_iteration=False)
+        positions = positions.shuffle(
+            buffer_size, seed=pass_seed(shuffle_seed, pass_index), reshuffle_each_iteration=False
+        )
     return np.fromiter(positions.as_numpy_iterator(), dtype=np.int64, count=size)
 
 
-def micro_batch_stream(dataset, batch_size, micro_batches_per_pass, start, count, shuffle_seed=None,
-                       buffer_size=10_000):
+def micro_batch_stream(
+    dataset, batch_size, micro_batches_per_pass, start, count, shuffle_seed=None, buffer_size=10_000
+):
     """Micro-batches ``start .. start + count - 1`` of the run, as one ``tf.data`` pipeline.
 
     Pass ``p`` over ``dataset`` is shuffled with its own seed (``shuffle_seed=None``: not at all)
@@ -60,8 +63,9 @@ def micro_batch_stream(dataset, batch_size, micro_batches_per_pass, start, count
     def one_pass(index):
         data = dataset
         if shuffle_seed is not None:
-            data = data.shuffle(buffer_size, seed=pass_seed(shuffle_seed, index),
-                                reshuffle_each_iteration=False)
+            data = data.shuffle(
+                buffer_size, seed=pass_seed(shuffle_seed, index), reshuffle_each_iteration=False
+            )
         return data.batch(batch_size)
 
     passes = [one_pass(index) for index in range(first, last + 1)]
@@ -90,8 +94,9 @@ class RunState:
     def __init__(self, model, run_dir, chief, max_to_keep=2):
         self.epoch = tf.Variable(0, dtype="int64", trainable=False)
         self.micro_batch = tf.Variable(0, dtype="int64", trainable=False)
-        self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
-                                              epoch=self.epoch, micro_batch=self.micro_batch)
+        self.checkpoint = tf.train.Checkpoint(
+            model=model, optimizer=model.optimizer, epoch=self.epoch, micro_batch=self.micro_batch
+        )
         self.run_dir = run_dir
         self.directory = os.path.join(run_dir, CHECKPOINT_DIR)
         self.chief = chief
@@ -103,7 +108,8 @@ class RunState:
     def manager(self):
         if self._manager is None:
             self._manager = tf.train.CheckpointManager(
-                self.checkpoint, self.directory if self.chief else self._scratch,
+                self.checkpoint,
+                self.directory if self.chief else self._scratch,
                 max_to_keep=self.max_to_keep,
             )
         return self._manager
@@ -138,8 +144,9 @@ class RunState:
         self.checkpoint.restore(prefix).assert_existing_objects_matched()
         if self.chief:
             self._set_aside(damaged, warn)
-            intact = [os.path.join(self.directory, f"ckpt-{n}") for n in sorted(numbers)
-                      if n <= number]
+            intact = [
+                os.path.join(self.directory, f"ckpt-{n}") for n in sorted(numbers) if n <= number
+            ]
             tf.compat.v1.train.update_checkpoint_state(
                 self.directory, prefix, all_model_checkpoint_paths=intact
             )
@@ -231,8 +238,16 @@ class RunCheckpoint(keras.callbacks.Callback):
     ``offset`` at which a resumed epoch started.
     """
 
-    def __init__(self, state, accumulator, signals, resume_hint, every_updates=0, save=True,
-                 multi_worker=False):
+    def __init__(
+        self,
+        state,
+        accumulator,
+        signals,
+        resume_hint,
+        every_updates=0,
+        save=True,
+        multi_worker=False,
+    ):
         super().__init__()
         self.state = state
         self.accumulator = accumulator
@@ -284,11 +299,13 @@ class RunCheckpoint(keras.callbacks.Callback):
         name = signal.Signals(self.signals.received).name
         where = where or f"epoch {self.epoch + 1}, micro-batch {self.done}"
         if self.multi_worker or not self.save:
-            message = (f"stopped by {name} at {where} without a new checkpoint"
-                       + (" (several workers)" if self.multi_worker else "") + ". ")
+            message = (
+                f"stopped by {name} at {where} without a new checkpoint"
+                + (" (several workers)" if self.multi_worker else "")
+                + ". "
+            )
         else:
             if not saved:
                 self.state.save(self.epoch, self.done)
             message = f"stopped by {name} at {where}; checkpoint saved. "
         raise Interrupted(message + self.resume_hint, 128 + self.signals.received)
-

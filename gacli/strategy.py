@@ -35,8 +35,10 @@ def make_strategy(cfg):
     if cfg.name == StrategyName.default:
         return tf.distribute.get_strategy()
     if cfg.name == StrategyName.one_device:
-        device = cfg.devices[0] if cfg.devices else (
-            "/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0"
+        device = (
+            cfg.devices[0]
+            if cfg.devices
+            else ("/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0")
         )
         return tf.distribute.OneDeviceStrategy(device)
     if cfg.name == StrategyName.mirrored:
@@ -54,18 +56,20 @@ def make_strategy(cfg):
             )
         resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
         # Later readers (is_chief, Keras) see the same cluster as TF_CONFIG.
-        os.environ["TF_CONFIG"] = json.dumps({
-            "cluster": resolver.cluster_spec().as_dict(),
-            "task": {"type": resolver.task_type, "index": resolver.task_id},
-        })
+        os.environ["TF_CONFIG"] = json.dumps(
+            {
+                "cluster": resolver.cluster_spec().as_dict(),
+                "task": {"type": resolver.task_type, "index": resolver.task_id},
+            }
+        )
         return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     if cfg.name == StrategyName.multi_worker:
         config = os.environ.get("TF_CONFIG")
         if not config:
             raise ConfigError(
                 "strategy=multi_worker reads the cluster from the TF_CONFIG environment variable, "
-                "which is not set; e.g. TF_CONFIG='{\"cluster\": {\"worker\": [\"host1:12345\", "
-                "\"host2:12345\"]}, \"task\": {\"type\": \"worker\", \"index\": 0}}' (the README "
+                'which is not set; e.g. TF_CONFIG=\'{"cluster": {"worker": ["host1:12345", '
+                '"host2:12345"]}, "task": {"type": "worker", "index": 0}}\' (the README '
                 "shows Kubernetes and SLURM)."
             )
         try:
@@ -82,6 +86,6 @@ def make_strategy(cfg):
 
 def is_multi_worker(strategy):
     """Whether ``strategy`` spans several worker processes."""
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
-        strategy.extended._in_multi_worker_mode()
-    )
+    from gacli._keras_compat import in_multi_worker_mode
+
+    return in_multi_worker_mode(strategy)

@@ -6,6 +6,7 @@ and logged.
 """
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
@@ -16,25 +17,40 @@ import keras
 import numpy as np
 from omegaconf import OmegaConf
 
-from gacli.accumulate_model import WindowCallback, wrap_model
-from gacli.accumulation import (GradientAccumulateOptimizer, NonFiniteError, StopOnNonFinite,
-                                find_accumulating_optimizer)
+from gacli.accumulate_model import accumulation_callbacks, wrap_model
+from gacli.accumulation import (
+    GradientAccumulateOptimizer,
+    NonFiniteError,
+    find_accumulating_optimizer,
+)
 from gacli.batchnorm import apply_batchnorm_policy, plain_batchnorm_layers
 from gacli.config import FREE_ON_RESUME, PartialWindow, Policy, Wrapper, resolve_batch
 from gacli.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.data import load_dataset
 from gacli.errors import ConfigError, TrainingFailed
-from gacli.host_memory import HostMemoryCallback
 from gacli.memory_stats import reset_memory_peaks
 from gacli.models import build_model
-from gacli.options import BatchNormPolicy
 from gacli.optimizers import build_optimizer
+from gacli.options import BatchNormPolicy
 from gacli.precise_batchnorm import precise_batchnorm_callback
 from gacli.run_logging import TensorBoardLogger, host_memory_bytes
-from gacli.rundir import (CHECKPOINT_DIR, RESULT_FILE, check_usable, check_writable, is_chief,
-                          write_json)
-from gacli.runstate import (RunCheckpoint, RunState, StopSignals, micro_batch_stream, pass_order,
-                            scratch_or)
+from gacli.rundir import (
+    CHECKPOINT_DIR,
+    RESULT_FILE,
+    check_usable,
+    check_writable,
+    is_chief,
+    write_json,
+)
+from gacli.runstate import (
+    RunCheckpoint,
+    RunState,
+    StopSignals,
+    micro_batch_stream,
+    pass_order,
+    scratch_or,
+)
+from gacli.settings import AccumulationConfig
 from gacli.strategy import is_multi_worker, make_strategy
 from gacli.throughput import TrainingClock
 
@@ -46,17 +62,18 @@ _KERAS_POLICY = {
 
 
 def choose_wrapper(cfg):
-    """(``"model"`` or ``"optimizer"``, the reason shown in the start-up panel)."""
+    """(``Wrapper.model`` or ``Wrapper.optimizer``, the reason shown in the start-up panel)."""
     if cfg.wrapper == Wrapper.optimizer:
-        return "optimizer", (
+        return Wrapper.optimizer, (
             "optimizer wrapper, as configured: in fit() it weighs every micro-batch the same and "
             "lets windows run across epochs"
         )
     if cfg.wrapper == Wrapper.model:
-        return "model", "model wrapper, as configured"
-    return "model", (
+        return Wrapper.model, "model wrapper, as configured"
+    return Wrapper.model, (
         "model wrapper (auto): it tells the accumulator each micro-batch's size and closes each "
-        f"epoch's window, which a plain fit() cannot; it runs under strategy={cfg.strategy.name.value}"
+        "epoch's window, which a plain fit() cannot; it runs under "
+        f"strategy={cfg.strategy.name.value}"
     )
 
 
@@ -108,8 +125,9 @@ def _nonfinite_policy(precision):
 def _check_batch_fits_data(cfg, plan, train_size):
     """ConfigError when a micro-batch, or a window meant to lie within one pass, is larger than
     the training set: each update would see fewer samples than the configured batch."""
-    windows_span_passes = cfg.steps_per_epoch is not None or cfg.partial_window == \
-        PartialWindow.carry
+    windows_span_passes = (
+        cfg.steps_per_epoch is not None or cfg.partial_window == PartialWindow.carry
+    )
     if plan.global_micro_batch_size > train_size:
         per_replica = " x replicas" if plan.replicas > 1 else ""
         raise ConfigError(
@@ -135,7 +153,7 @@ def _check_batch_fits_data(cfg, plan, train_size):
 def _steps_per_execution(cfg, plan, wrapper):
     """Micro-batches per compiled call: by default a window's, so that fit()'s per-step cost
     (Python, callbacks, the function call) is paid once an update instead of once a micro-batch."""
-    if wrapper == "optimizer" and plan.replicas > 1:
+    if wrapper is Wrapper.optimizer and plan.replicas > 1:
         # A plain keras.Model's loop over several steps fails with several replicas in sync
         # (Keras 3.15); the model wrappers run a loop of their own (AccumulationMixin).
         if cfg.steps_per_execution not in (None, 1):
@@ -206,185 +224,339 @@ def train(cfg, run_dir, given=(), parallel_jobs=False):
     # A multirun's jobs share a process: each reports its own memory peaks. (After the strategy,
     # which may split devices: listing them, as the reset does, fixes TensorFlow's device setup.)
     reset_memory_peaks()
-    plan = resolve_batch(cfg.micro_batch_size, cfg.accum_steps, cfg.effective_batch_size,
-                         strategy.num_replicas_in_sync, given)
+    plan = resolve_batch(
+        cfg.micro_batch_size,
+        cfg.accum_steps,
+        cfg.effective_batch_size,
+        strategy.num_replicas_in_sync,
+        given,
+    )
     keras.utils.set_random_seed(cfg.seed)
+    callers_policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(_KERAS_POLICY[cfg.precision.policy])
     try:
         return _train(cfg, run_dir, plan, strategy, console, parallel_jobs)
     finally:
-        keras.mixed_precision.set_global_policy("float32")
+        # The caller's policy, not float32: a notebook that set mixed_bfloat16 keeps it.
+        keras.mixed_precision.set_global_policy(callers_policy)
 
 
 def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
+    """The job's steps: data, schedule, model, callbacks, fit, results."""
     # Hydra sets the root logger to INFO; TensorFlow's absl chatter is not for the terminal.
     for name in ("absl", "tensorflow"):
         logging.getLogger(name).setLevel(logging.WARNING)
     data = load_dataset(cfg.dataset, cfg.seed)
     _check_batch_fits_data(cfg, plan, data.train_size)
-    micro_batches = math.ceil(data.train_size / plan.global_micro_batch_size)
+    schedule = plan_schedule(cfg, plan, data.train_size)
+    job = build_job(cfg, plan, data, schedule, strategy)
+    startup_panel(console, cfg, plan, job.facts(cfg, plan, data, schedule, strategy))
+    chief = is_chief()
+    if chief:
+        _write_resolved(cfg, plan, schedule, job, run_dir)
+    callbacks, run_checkpoint, state = make_callbacks(
+        cfg, plan, data, schedule, job, run_dir, console, parallel_jobs, chief, strategy
+    )
+    try:
+        position = _restore(cfg, job, state, strategy, console, run_dir)
+        with run_checkpoint.signals:
+            history = run_fit(
+                cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir
+            )
+    finally:
+        for callback in callbacks:
+            if hasattr(callback, "close"):
+                callback.close()
+        state.close()
+    return save_results(cfg, plan, job, history, run_dir, chief, console)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How the data is cut: micro-batches per pass, per fit() epoch, and updates."""
+
+    micro_batches: int  # per pass over the training data
+    epoch_length: int  # micro-batches per epoch (steps_per_epoch x accum_steps, when set)
+    fit_steps: int | None  # steps_per_epoch given to fit(), or None for a whole pass
+    total_updates: int
+    steps_per_execution: int
+
+
+def plan_schedule(cfg, plan, train_size):
+    """The :class:`Schedule` of a job whose training set holds ``train_size`` samples."""
+    micro_batches = math.ceil(train_size / plan.global_micro_batch_size)
+    fit_steps = None
     if cfg.steps_per_epoch:
         updates_per_epoch = cfg.steps_per_epoch
         fit_steps = cfg.steps_per_epoch * plan.accum_steps
     elif cfg.partial_window == PartialWindow.drop:
         updates_per_epoch = micro_batches // plan.accum_steps
-        fit_steps = None
     elif cfg.partial_window == PartialWindow.carry:
         # Windows run across epochs: on average this many updates an epoch.
         updates_per_epoch = micro_batches / plan.accum_steps
-        fit_steps = None
     else:
         updates_per_epoch = math.ceil(micro_batches / plan.accum_steps)
-        fit_steps = None
-    epoch_length = fit_steps or micro_batches  # micro-batches per epoch
-    validation = None
-    if data.validation is not None:
-        validation = data.validation.batch(plan.global_micro_batch_size)
-    total_updates = math.ceil(updates_per_epoch * cfg.epochs)
+    wrapper, _ = choose_wrapper(cfg)
+    return Schedule(
+        micro_batches,
+        fit_steps or micro_batches,
+        fit_steps,
+        math.ceil(updates_per_epoch * cfg.epochs),
+        _steps_per_execution(cfg, plan, wrapper),
+    )
+
+
+def accumulation_config(cfg, plan):
+    """The job's :class:`~gacli.AccumulationConfig` (loss scaling follows the precision policy,
+    which is set when the model is built)."""
+    return AccumulationConfig(
+        accum_steps=plan.accum_steps,
+        partial_window=cfg.partial_window,
+        use_agc=cfg.optimizer.use_agc,
+        clip_factor=cfg.optimizer.clip_factor,
+        nonfinite=_nonfinite_policy(cfg.precision),
+        noise_scale=cfg.monitor.gns,
+    )
+
+
+@dataclasses.dataclass
+class Job:
+    """The built parts of a job: the compiled model and what the panel says about them."""
+
+    model: object
+    accumulator: object
+    wrapper: Wrapper
+    reason: str
+    batchnorm_layers: int
+    learning_rate: float
+
+    def facts(self, cfg, plan, data, schedule, strategy):
+        """The start-up panel's lines."""
+        replicas = strategy.num_replicas_in_sync
+        layers = self.batchnorm_layers
+        return {
+            "wrapper": self.reason,
+            "model": f"{cfg.model.factory or cfg.model.name} "
+            f"({self.model.count_params():,} parameters)",
+            "data": f"{cfg.dataset.name}: {data.train_size} train / {data.validation_size} val "
+            f"samples, inputs {tuple(data.input_shape)}",
+            "updates": f"{schedule.total_updates} in {cfg.epochs} epochs, "
+            f"{schedule.epoch_length} micro-batches per epoch",
+            "compiled calls": f"{schedule.steps_per_execution} micro-batches each "
+            "(steps_per_execution)",
+            "precision": cfg.precision.policy.value,
+            "batch norm": f"{cfg.batchnorm.value} ({layers} layer{'s' if layers != 1 else ''}"
+            + (
+                "; statistics per micro-batch, batchnorm=precise recomputes them"
+                if cfg.batchnorm == BatchNormPolicy.keep and plan.accum_steps > 1 and layers
+                else ""
+            )
+            + ")",
+            "strategy": f"{cfg.strategy.name.value} ({replicas} replica"
+            f"{'s' if replicas > 1 else ''})",
+            "learning rate": f"{self.learning_rate:.3g} at update 0",
+        }
+
+
+def build_job(cfg, plan, data, schedule, strategy):
+    """Model, batch-norm policy, inner optimizer and accumulation wrapper, compiled."""
     wrapper, reason = choose_wrapper(cfg)
-    steps_per_execution = _steps_per_execution(cfg, plan, wrapper)
     loss, metrics = loss_and_metrics(data.task, data.num_outputs)
-    optimizer_cfg = cfg.optimizer
-    nonfinite = _nonfinite_policy(cfg.precision)
+    settings = accumulation_config(cfg, plan)
     with strategy.scope():
         keras.utils.set_random_seed(cfg.seed)
         model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
         _check_fits(model, data)
         batchnorm_layers = len(plain_batchnorm_layers(model))
         model = apply_batchnorm_policy(model, cfg.batchnorm.value, plan.accum_steps, warn=False)
-        inner = build_optimizer(optimizer_cfg, plan.effective_batch_size, total_updates)
-        accumulation = dict(
-            partial_window=cfg.partial_window.value, use_agc=optimizer_cfg.use_agc,
-            clip_factor=optimizer_cfg.clip_factor, nonfinite=nonfinite,
-        )
-        if wrapper == "model":
-            model = wrap_model(model, plan.accum_steps, **accumulation)
-            model.compile(optimizer=inner, loss=loss, metrics=metrics,
-                          jit_compile=cfg.jit_compile, steps_per_execution=steps_per_execution)
+        inner = build_optimizer(cfg.optimizer, plan.effective_batch_size, schedule.total_updates)
+        if wrapper is Wrapper.model:
+            model = wrap_model(model, config=settings)
+            optimizer = inner
         else:
-            loss_scaling = cfg.precision.policy == Policy.mixed_float16
+            from gacli.clipping import agc_unit_axes
+
             optimizer = GradientAccumulateOptimizer(
-                inner, accum_steps=plan.accum_steps, loss_scaling=loss_scaling, **accumulation
+                inner,
+                config=settings,
+                agc_unit_axes=agc_unit_axes(model) if settings.use_agc else None,
             )
-            model.compile(optimizer=optimizer, loss=loss, metrics=metrics,
-                          jit_compile=cfg.jit_compile, auto_scale_loss=not loss_scaling,
-                          steps_per_execution=steps_per_execution)
-    accumulator = find_accumulating_optimizer(model.optimizer)
-    chief = is_chief()
+        model.compile(
+            optimizer=optimizer,
+            loss=loss,
+            metrics=metrics,
+            jit_compile=cfg.jit_compile,
+            auto_scale_loss=False,
+            steps_per_execution=schedule.steps_per_execution,
+        )
+    return Job(
+        model,
+        find_accumulating_optimizer(model.optimizer),
+        wrapper,
+        reason,
+        batchnorm_layers,
+        float(inner.learning_rate.numpy()),
+    )
 
-    facts = {
-        "wrapper": reason,
-        "model": f"{cfg.model.factory or cfg.model.name} ({model.count_params():,} parameters)",
-        "data": f"{cfg.dataset.name}: {data.train_size} train / {data.validation_size} val "
-                f"samples, inputs {tuple(data.input_shape)}",
-        "updates": f"{total_updates} in {cfg.epochs} epochs, "
-                   f"{micro_batches if not fit_steps else fit_steps} micro-batches per epoch",
-        "compiled calls": f"{steps_per_execution} micro-batches each (steps_per_execution)",
-        "precision": cfg.precision.policy.value,
-        "batch norm": f"{cfg.batchnorm.value} ({batchnorm_layers} layer"
-                      f"{'s' if batchnorm_layers != 1 else ''}"
-                      + ("; statistics per micro-batch, batchnorm=precise recomputes them"
-                         if cfg.batchnorm == BatchNormPolicy.keep and plan.accum_steps > 1
-                         and batchnorm_layers else "") + ")",
-        "strategy": f"{cfg.strategy.name.value} ({strategy.num_replicas_in_sync} replica"
-                    f"{'s' if strategy.num_replicas_in_sync > 1 else ''})",
-        "learning rate": f"{inner.learning_rate.numpy():.3g} at update 0",
+
+def _write_resolved(cfg, plan, schedule, job, run_dir):
+    """``resolved.yaml``: the config with the batch arithmetic, written once per run."""
+    if os.path.exists(os.path.join(run_dir, "resolved.yaml")):
+        return
+    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    resolved["resolved"] = {
+        "micro_batch_size": plan.micro_batch_size,
+        "accum_steps": plan.accum_steps,
+        "replicas": plan.replicas,
+        "effective_batch_size": plan.effective_batch_size,
+        "optimizer_updates": schedule.total_updates,
+        "wrapper": job.wrapper.value,
     }
-    startup_panel(console, cfg, plan, facts)
-    if chief and not os.path.exists(os.path.join(run_dir, "resolved.yaml")):
-        resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        resolved["resolved"] = {
-            "micro_batch_size": plan.micro_batch_size, "accum_steps": plan.accum_steps,
-            "replicas": plan.replicas, "effective_batch_size": plan.effective_batch_size,
-            "optimizer_updates": total_updates, "wrapper": wrapper,
-        }
-        OmegaConf.save(OmegaConf.create(resolved), os.path.join(run_dir, "resolved.yaml"))
+    OmegaConf.save(OmegaConf.create(resolved), os.path.join(run_dir, "resolved.yaml"))
 
+
+def _hparams(cfg, plan, job):
+    """What TensorBoard's HParams tab compares runs by."""
+    return {
+        "accum_steps": plan.accum_steps,
+        "micro_batch_size": plan.micro_batch_size,
+        "effective_batch_size": plan.effective_batch_size,
+        "precision": cfg.precision.policy.value,
+        "strategy": cfg.strategy.name.value,
+        "wrapper": job.wrapper.value,
+        "model": cfg.model.factory or cfg.model.name,
+        "lr": float(cfg.optimizer.learning_rate),
+        "optimizer": cfg.optimizer.name.value,
+    }
+
+
+def make_callbacks(
+    cfg, plan, data, schedule, job, run_dir, console, parallel_jobs, chief, strategy
+):
+    """(the fit() callbacks in their order, the checkpoint callback, the run's state)."""
+    accumulator = job.accumulator
     clock = TrainingClock(accumulator, data.train_size, plan.global_micro_batch_size)
-    callbacks = [clock, ProgressCallback(console, cfg.progress, plan, accumulator,
-                                         math.ceil(total_updates / cfg.epochs), cfg.epochs,
-                                         parallel_jobs, clock=clock)]
-    if wrapper == "optimizer":
-        # A plain model's fit() does not close windows at epoch ends; this callback does.
-        callbacks.insert(0, WindowCallback(accumulator))
-        callbacks.append(HostMemoryCallback())
-    if nonfinite == "stop":
-        # Before the logger and the checkpoints: a halted step is neither logged nor saved.
-        callbacks.insert(0, StopOnNonFinite(accumulator))
+    callbacks = [
+        clock,
+        ProgressCallback(
+            console,
+            cfg.progress,
+            plan,
+            accumulator,
+            math.ceil(schedule.total_updates / cfg.epochs),
+            cfg.epochs,
+            parallel_jobs,
+            clock=clock,
+        ),
+    ]
     if chief:
-        hparams = {
-            "accum_steps": plan.accum_steps, "micro_batch_size": plan.micro_batch_size,
-            "effective_batch_size": plan.effective_batch_size,
-            "compiled calls": f"{steps_per_execution} micro-batches each (steps_per_execution)",
-        "precision": cfg.precision.policy.value, "strategy": cfg.strategy.name.value,
-            "wrapper": wrapper, "model": cfg.model.factory or cfg.model.name,
-            "lr": float(optimizer_cfg.learning_rate), "optimizer": optimizer_cfg.name.value,
-        }
-        callbacks.append(TensorBoardLogger(os.path.join(run_dir, "tensorboard"), plan,
-                                           accumulator, hparams, clock))
-    state = RunState(model, run_dir, chief)
-    position = (0, 0)
-    if cfg.resume:
-        with strategy.scope():
-            model.optimizer.build(model.trainable_variables)
-        restored = state.restore(
-            warn=lambda message: console.print(message, style="yellow", soft_wrap=True))
-        if restored is None:
-            console.print(f"resume: no checkpoint in {run_dir} yet; starting from the beginning",
-                          soft_wrap=True)
-        else:
-            position = restored
-            console.print(
-                f"resume: from epoch {position[0] + 1}, micro-batch {position[1]} of it (update "
-                f"{int(accumulator.optimizer_step.numpy())}, micro-step "
-                f"{int(accumulator.micro_step.numpy())})", soft_wrap=True
+        hparams = _hparams(cfg, plan, job)
+        callbacks.append(
+            TensorBoardLogger(
+                os.path.join(run_dir, "tensorboard"), plan, accumulator, hparams, clock
             )
+        )
+    # The window closer and the non-finite stop go first: a halted step is neither logged nor
+    # saved. (The model wrappers' fit() would add them too; a plain model's would not.)
+    callbacks = accumulation_callbacks(accumulator, callbacks)
+    state = RunState(job.model, run_dir, chief)
     hint = f"To continue, run the same command with resume=true, or resume={run_dir}."
-    run_checkpoint = RunCheckpoint(state, accumulator, StopSignals(), hint,
-                                   cfg.checkpoint_every_updates, save=cfg.checkpoint,
-                                   multi_worker=is_multi_worker(strategy))
+    run_checkpoint = RunCheckpoint(
+        state,
+        accumulator,
+        StopSignals(),
+        hint,
+        cfg.checkpoint_every_updates,
+        save=cfg.checkpoint,
+        multi_worker=is_multi_worker(strategy),
+    )
     if cfg.batchnorm == BatchNormPolicy.precise:
         # After the callbacks that close an epoch's window: the statistics see its last update.
-        callbacks.append(precise_batchnorm_callback(
-            data.train, plan.micro_batch_size, cfg.precise_bn_micro_batches, cfg.seed,
-            buffer_size=min(data.train_size, 10_000),
-        ))
+        callbacks.append(
+            precise_batchnorm_callback(
+                data.train,
+                plan.micro_batch_size,
+                cfg.precise_bn_micro_batches,
+                cfg.seed,
+                buffer_size=min(data.train_size, 10_000),
+            )
+        )
     callbacks.append(run_checkpoint)
+    return callbacks, run_checkpoint, state
+
+
+def _restore(cfg, job, state, strategy, console, run_dir):
+    """(epoch, micro-batches done in it) to start from: (0, 0), or a resumed run's checkpoint."""
+    if not cfg.resume:
+        return (0, 0)
+    with strategy.scope():
+        job.model.optimizer.build(job.model.trainable_variables)
+    restored = state.restore(
+        warn=lambda message: console.print(message, style="yellow", soft_wrap=True)
+    )
+    if restored is None:
+        console.print(
+            f"resume: no checkpoint in {run_dir} yet; starting from the beginning", soft_wrap=True
+        )
+        return (0, 0)
+    console.print(
+        f"resume: from epoch {restored[0] + 1}, micro-batch {restored[1]} of it (update "
+        f"{int(job.accumulator.optimizer_step.numpy())}, micro-step "
+        f"{int(job.accumulator.micro_step.numpy())})",
+        soft_wrap=True,
+    )
+    return restored
+
+
+def run_fit(cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir):
+    """fit() from ``position`` to the end of training, one call per segment; the history."""
+    validation = None
+    if data.validation is not None:
+        validation = data.validation.batch(plan.global_micro_batch_size)
     history = {}
-    try:
-        with run_checkpoint.signals:
-            per_epoch = epoch_length % steps_per_execution != 0
-            for first, end, steps, offset in _segments(position, epoch_length, cfg.epochs,
-                                                       per_epoch):
-                stream = micro_batch_stream(
-                    data.train, plan.global_micro_batch_size, micro_batches,
-                    start=first * epoch_length + offset, count=steps * (end - first),
-                    shuffle_seed=cfg.seed if cfg.dataset.shuffle else None,
-                    buffer_size=min(data.train_size, 10_000),
+    per_epoch = schedule.epoch_length % schedule.steps_per_execution != 0
+    for first, end, steps, offset in _segments(
+        position, schedule.epoch_length, cfg.epochs, per_epoch
+    ):
+        stream = micro_batch_stream(
+            data.train,
+            plan.global_micro_batch_size,
+            schedule.micro_batches,
+            start=first * schedule.epoch_length + offset,
+            count=steps * (end - first),
+            shuffle_seed=cfg.seed if cfg.dataset.shuffle else None,
+            buffer_size=min(data.train_size, 10_000),
+        )
+        run_checkpoint.start_segment(first, offset)
+        # A resumed epoch is a fit() of its own: its end is not the run's end.
+        last = end == cfg.epochs
+        with contextlib.nullcontext() if last else job.accumulator.fit_continues():
+            try:
+                segment = job.model.fit(
+                    stream,
+                    validation_data=validation,
+                    initial_epoch=first,
+                    epochs=end,
+                    steps_per_epoch=steps,
+                    verbose=0,
+                    callbacks=callbacks,
+                    shuffle=False,
                 )
-                run_checkpoint.start_segment(first, offset)
-                # A resumed epoch is a fit() of its own: its end is not the run's end.
-                last = end == cfg.epochs
-                with contextlib.nullcontext() if last else accumulator.fit_continues():
-                    try:
-                        segment = model.fit(stream, validation_data=validation,
-                                            initial_epoch=first, epochs=end,
-                                            steps_per_epoch=steps, verbose=0,
-                                            callbacks=callbacks, shuffle=False)
-                    except NonFiniteError as error:
-                        raise TrainingFailed(_where_nonfinite(
-                            error.micro_step, cfg, data, plan, epoch_length, micro_batches,
-                            state, run_dir)) from None
-                for key, values in segment.history.items():
-                    history.setdefault(key, []).extend(values)
-        if not history:
-            # Resumed after the last epoch's checkpoint: only the end of training is left.
-            model.optimizer.finalize_variable_values(model.trainable_variables)
-    finally:
-        for callback in callbacks:
-            if hasattr(callback, "close"):
-                callback.close()
-        state.close()
+            except NonFiniteError as error:
+                raise TrainingFailed(
+                    _where_nonfinite(error.micro_step, cfg, data, plan, schedule, state, run_dir)
+                ) from None
+        for key, values in segment.history.items():
+            history.setdefault(key, []).extend(values)
+    if not history:
+        # Resumed after the last epoch's checkpoint: only the end of training is left.
+        job.model.optimizer.finalize_variable_values(job.model.trainable_variables)
+    return history
+
+
+def save_results(cfg, plan, job, history, run_dir, chief, console):
+    """model.keras (atomically), result.json and the summary table; the final metrics."""
+    model, accumulator = job.model, job.accumulator
     final = {key: float(values[-1]) for key, values in history.items()}
     # Equal on every worker of a run, and across runs that trained the same way.
     fingerprint = hashlib.sha256(
@@ -399,38 +571,86 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
             os.replace(path, os.path.join(run_dir, "model.keras"))
         else:
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    updates, micro_steps = (
+        int(accumulator.optimizer_step.numpy()),
+        int(accumulator.micro_step.numpy()),
+    )
+    noise = accumulator.noise_scale()
     if chief:
-        result = dict(final, optimizer_step=int(accumulator.optimizer_step.numpy()),
-                      micro_step=int(accumulator.micro_step.numpy()),
-                      effective_batch_size=plan.effective_batch_size, weights_sha256=fingerprint,
-                      host_peak_rss_bytes=host_memory_bytes()[1])
+        result = dict(
+            final,
+            optimizer_step=updates,
+            micro_step=micro_steps,
+            gradient_noise_scale=(noise or {}).get("noise_scale") or None,
+            effective_batch_size=plan.effective_batch_size,
+            weights_sha256=fingerprint,
+            host_peak_rss_bytes=host_memory_bytes()[1],
+        )
         write_json(os.path.join(run_dir, RESULT_FILE), result)
     rows = {key: f"{value:.4f}" for key, value in final.items()}
-    rows["updates / micro-batches"] = (
-        f"{int(accumulator.optimizer_step.numpy())} / {int(accumulator.micro_step.numpy())}"
-    )
+    rows["updates / micro-batches"] = f"{updates} / {micro_steps}"
     rows["effective batch"] = plan.effective_batch_size
+    if noise is not None:
+        rows["noise scale"] = noise_scale_verdict(plan.effective_batch_size, noise)
     rows["weights sha256"] = fingerprint
     summary_table(console, rows)
     console.print(f"run directory: {run_dir}", soft_wrap=True)
     return final
 
 
-def _where_nonfinite(micro_step, cfg, data, plan, epoch_length, micro_batches, state, run_dir):
+def noise_scale_verdict(effective_batch, noise):
+    """One line that compares the effective batch with the measured gradient noise scale."""
+    if not noise["windows"]:
+        return (
+            "not measured: it needs windows of more than one micro-batch (accum_steps > 1 "
+            "or several replicas) and the model wrapper"
+        )
+    scale = noise["noise_scale"]
+    if scale <= 0:
+        return (
+            f"not yet reliable after {noise['windows']} windows (the gradient's size is "
+            "lost in its noise); train longer for an estimate"
+        )
+    measured = f"~{scale:,.0f} (over {noise['windows']} windows)"
+    if effective_batch < scale / 2:
+        return (
+            f"{measured}: effective batch {effective_batch} is well below it, so a larger "
+            "effective batch would still pay off (fewer updates for the same progress)"
+        )
+    if effective_batch > 2 * scale:
+        return (
+            f"{measured}: effective batch {effective_batch} is well above it, so most of "
+            "each update's samples are spent for little; a smaller effective batch (more "
+            "updates) would train faster per sample"
+        )
+    return (
+        f"{measured}: effective batch {effective_batch} is close to it, near the point of "
+        "diminishing returns"
+    )
+
+
+def _where_nonfinite(micro_step, cfg, data, plan, schedule, state, run_dir):
     """The message of a run halted on a non-finite gradient: where, which samples, what is kept."""
+    epoch_length, micro_batches = schedule.epoch_length, schedule.micro_batches
     index = micro_step - 1  # micro-batches are counted from 1 by the engine
     epoch, in_epoch = divmod(index, epoch_length)
     data_pass, in_pass = divmod(index, micro_batches)
     first = in_pass * plan.global_micro_batch_size
     last = min(first + plan.global_micro_batch_size, data.train_size)
-    order = pass_order(data.train_size, data_pass,
-                       shuffle_seed=cfg.seed if cfg.dataset.shuffle else None,
-                       buffer_size=min(data.train_size, 10_000))
+    order = pass_order(
+        data.train_size,
+        data_pass,
+        shuffle_seed=cfg.seed if cfg.dataset.shuffle else None,
+        buffer_size=min(data.train_size, 10_000),
+    )
     names = [data.sample_name(int(position)) for position in order[first:last]]
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     saved = state.latest()
-    kept = (f"The last checkpoint, {saved}, is from before it and is kept; " if saved else
-            "No checkpoint was written before it; ")
+    kept = (
+        f"The last checkpoint, {saved}, is from before it and is kept; "
+        if saved
+        else "No checkpoint was written before it; "
+    )
     return (
         f"training stopped at epoch {epoch + 1}, micro-batch {in_epoch + 1} of {epoch_length}: "
         f"its loss or gradient was not finite (inf or nan). It held the samples at positions "

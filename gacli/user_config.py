@@ -25,8 +25,9 @@ def _fields(schema, prefix=""):
     keys = {}
     for field in dataclasses.fields(schema):
         key = prefix + field.name
-        if dataclasses.is_dataclass(field.default_factory if field.default_factory
-                                    is not dataclasses.MISSING else None):
+        if dataclasses.is_dataclass(
+            field.default_factory if field.default_factory is not dataclasses.MISSING else None
+        ):
             keys[key] = False
             keys.update(_fields(field.default_factory, key + "."))
         else:
@@ -50,9 +51,11 @@ def unknown_key(key):
             break
     close = difflib.get_close_matches(key, SCHEMA_KEYS, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}? " if close else ""
-    return (f"{key} is not a key ga-train reads, so setting it would change nothing; {hint}"
-            "ga-train --cfg job lists every key with its value, and the README's config "
-            "reference says what each does.")
+    return (
+        f"{key} is not a key ga-train reads, so setting it would change nothing; {hint}"
+        "ga-train --cfg job lists every key with its value, and the README's config "
+        "reference says what each does."
+    )
 
 
 def check_overrides(assignments):
@@ -104,15 +107,17 @@ def check_user_yaml(path, shown, group_options):
             "followed by the keys to change, e.g. accum_steps: 8."
         )
     defaults = content.get("defaults")
-    if not isinstance(defaults, list) or not any(entry in ("/train", "train")
-                                                 for entry in defaults):
+    if not isinstance(defaults, list) or not any(
+        entry in ("/train", "train") for entry in defaults
+    ):
         raise ConfigError(
             f"config={shown} does not start from gacli's defaults: its defaults list must name "
             f"/train (and _self_, so that the file's own values win). Put these lines at its "
             f"top:\n{_DEFAULTS_LINES}"
         )
-    overridden = {key.split("/")[-1] for entry in defaults if isinstance(entry, dict)
-                  for key in entry}
+    overridden = {
+        key.split("/")[-1] for entry in defaults if isinstance(entry, dict) for key in entry
+    }
     for group in GROUPS:
         chosen = content.get(group)
         name = chosen.get("name") if isinstance(chosen, dict) else None

@@ -2,7 +2,7 @@
 max abs weight differences against single-device big-batch runs.
 
 A separate process because the CPU must be split into logical devices before TensorFlow
-initialises. Usage: python distributed_cases.py
+initialises. Usage: python tests/distributed_cases.py (its folder on sys.path finds ``helpers``).
 """
 
 import json
@@ -12,47 +12,50 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import (  # noqa: E402
+import gacli  # noqa: E402
+from helpers import (  # noqa: E402
+    agc_big_batch_reference,
     big_batch_reference,
     epoch_windows,
     make_data,
     max_weight_difference,
     mlp_layers,
+    noise_scale_errors,
+    noise_scale_run,
     plain_model,
 )
-
-import gacli  # noqa: E402
 
 OPTIMIZERS = {
     "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
     # Clipping binds here (gradient norms are ~1): it must act on the gradient of the whole
     # window over all replicas, not on each replica's part.
-    "momentum-global-clipnorm": lambda: keras.optimizers.SGD(0.1, momentum=0.9,
-                                                             global_clipnorm=0.02),
+    "momentum-global-clipnorm": lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, global_clipnorm=0.02
+    ),
     "momentum-clipvalue": lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipvalue=0.002),
     "sgd-agc": lambda: keras.optimizers.SGD(0.5),
 }
 EPOCHS = 2
+CLIP_FACTOR = 0.01
 
 
 def setting(optimizer, replicas, samples, micro, accum_steps):
     """Data, the single-device big-batch reference (windows of micro x replicas x k samples) and
     a MirroredStrategy over ``replicas`` logical CPUs."""
     x, y = make_data(samples)
-    window = micro * replicas * accum_steps
-    make_optimizer = OPTIMIZERS[optimizer]
+    windows = epoch_windows(samples, micro * replicas * accum_steps, EPOCHS)
     if "agc" in optimizer:
-        # AGC on one big batch: the accumulator with k=1, proven equal in test_api.
-        make_optimizer = lambda: gacli.GradientAccumulateOptimizer(  # noqa: E731
-            OPTIMIZERS[optimizer](), accum_steps=1, use_agc=True, clip_factor=0.01)
-    reference = big_batch_reference(make_optimizer, epoch_windows(samples, window, EPOCHS), x, y)
+        # AGC on the big batch's gradient, computed in NumPy: no gacli code in the reference.
+        reference = agc_big_batch_reference(OPTIMIZERS[optimizer], windows, x, y, CLIP_FACTOR)
+    else:
+        reference = big_batch_reference(OPTIMIZERS[optimizer], windows, x, y)
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
     return x, y, reference, strategy
 
@@ -63,16 +66,29 @@ def fit_case(wrapper, optimizer, replicas, samples, micro, accum_steps, steps_pe
     with strategy.scope():
         if wrapper == "model":
             inputs, outputs = mlp_layers()
-            model = gacli.GradientAccumulateModel(accum_steps=accum_steps, inputs=inputs,
-                                                  outputs=outputs, use_agc="agc" in optimizer,
-                                                  clip_factor=0.01)
-            model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse",
-                          steps_per_execution=steps_per_execution)
+            model = gacli.GradientAccumulateModel(
+                accum_steps=accum_steps,
+                inputs=inputs,
+                outputs=outputs,
+                use_agc="agc" in optimizer,
+                clip_factor=CLIP_FACTOR,
+            )
+            model.compile(
+                optimizer=OPTIMIZERS[optimizer](),
+                loss="mse",
+                steps_per_execution=steps_per_execution,
+            )
         else:
             model = plain_model()
-            model.compile(optimizer=gacli.GradientAccumulateOptimizer(
-                OPTIMIZERS[optimizer](), accum_steps=accum_steps, use_agc="agc" in optimizer,
-                clip_factor=0.01), loss="mse")
+            model.compile(
+                optimizer=gacli.GradientAccumulateOptimizer(
+                    OPTIMIZERS[optimizer](),
+                    accum_steps=accum_steps,
+                    use_agc="agc" in optimizer,
+                    clip_factor=CLIP_FACTOR,
+                ),
+                loss="mse",
+            )
     model.fit(x, y, batch_size=micro * replicas, epochs=EPOCHS, shuffle=False, verbose=0)
     return max_weight_difference(model, reference)
 
@@ -88,8 +104,9 @@ def custom_loop_case(optimizer, replicas, samples, micro, accum_steps, loss_styl
     x, y, reference, strategy = setting(optimizer, replicas, samples, micro, accum_steps)
     with strategy.scope():
         model = plain_model()
-        accumulator = gacli.GradientAccumulateOptimizer(OPTIMIZERS[optimizer](),
-                                                        accum_steps=accum_steps)
+        accumulator = gacli.GradientAccumulateOptimizer(
+            OPTIMIZERS[optimizer](), accum_steps=accum_steps
+        )
         accumulator.build(model.trainable_variables)
         keras_loss = keras.losses.MeanSquaredError()
     global_micro = micro * replicas
@@ -108,15 +125,15 @@ def custom_loop_case(optimizer, replicas, samples, micro, accum_steps, loss_styl
                     divisor = count * strategy.num_replicas_in_sync
                 elif loss_style == "compute-average-loss":
                     per_example = tf.reduce_mean(tf.square(prediction - y_local), axis=-1)
-                    loss = tf.nn.compute_average_loss(per_example,
-                                                      global_batch_size=global_micro)
+                    loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_micro)
                     divisor = global_micro
                 else:
                     loss = tf.reduce_mean(tf.square(prediction - y_local))
                     divisor = None
             grads = tape.gradient(loss, model.trainable_variables)
-            accumulator.apply_gradients(zip(grads, model.trainable_variables),
-                                        sample_count=count, loss_divisor=divisor)
+            accumulator.apply_gradients(
+                zip(grads, model.trainable_variables), sample_count=count, loss_divisor=divisor
+            )
 
         strategy.run(on_replica, args=(x_batch, y_batch))
 
@@ -127,26 +144,117 @@ def custom_loop_case(optimizer, replicas, samples, micro, accum_steps, loss_styl
     return max_weight_difference(model, reference)
 
 
-def main():
-    results = {}
+def restored_case(optimizer, replicas=2):
+    """Plain fit() with the optimizer wrapper stops mid-window (3 micro-batches, k=2); new objects
+    restore the checkpoint and apply the open window, as a resumed run's end does. Nothing in the
+    new objects has traced a micro-step: the window must be applied from saved state alone."""
+    import tempfile
+
+    x, y = make_data(96)
+    make_optimizer = OPTIMIZERS[optimizer]
+    reference = big_batch_reference(make_optimizer, [np.arange(0, 64), np.arange(64, 96)], x, y)
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+
+    def build():
+        with strategy.scope():
+            model = plain_model()
+            model.compile(
+                optimizer=gacli.GradientAccumulateOptimizer(make_optimizer(), accum_steps=2),
+                loss="mse",
+            )
+            model.optimizer.build(model.trainable_variables)
+        return model, tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+
+    model, checkpoint = build()
+    with model.optimizer.fit_continues():
+        model.fit(x, y, batch_size=16 * replicas, epochs=1, shuffle=False, verbose=0)
+    path = checkpoint.save(os.path.join(tempfile.mkdtemp(), "ckpt"))
+    restored, checkpoint = build()
+    with strategy.scope():
+        checkpoint.restore(path).assert_existing_objects_matched()
+    restored.optimizer.finish_epoch(last=True)
+    return max_weight_difference(restored, reference)
+
+
+def noise_scale_case(accum_steps):
+    """The largest relative error of the noise scale's parts under 2 replicas (each replica's
+    micro-batch is a small batch, the window over both replicas the big one)."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    return max(noise_scale_errors(noise_scale_run(1.5, strategy=strategy, accum_steps=accum_steps)))
+
+
+def cases():
+    """{case name: a function that measures it}."""
+    found = {}
     for optimizer in ("momentum", "adam"):
         # 70 samples: global micro-batches of 32, 32, 6 (3 per replica); windows of 64 and 6.
-        results[f"model-2replicas-ragged-{optimizer}"] = fit_case("model", optimizer, 2, 70, 16, 2)
-        results[f"model-1replica-ragged-{optimizer}"] = fit_case("model", optimizer, 1, 70, 16, 4)
+        found[f"model-2replicas-ragged-{optimizer}"] = (fit_case, "model", optimizer, 2, 70, 16, 2)
+        found[f"model-1replica-ragged-{optimizer}"] = (fit_case, "model", optimizer, 1, 70, 16, 4)
         # A plain model's fit() weighs micro-batches equally: full windows only.
-        results[f"optimizer-2replicas-{optimizer}"] = fit_case("optimizer", optimizer, 2, 128,
-                                                               16, 2)
+        found[f"optimizer-2replicas-{optimizer}"] = (
+            fit_case,
+            "optimizer",
+            optimizer,
+            2,
+            128,
+            16,
+            2,
+        )
         for style in ("local-mean", "keras-loss", "compute-average-loss"):
-            results[f"custom-loop-{style}-2replicas-ragged-{optimizer}"] = custom_loop_case(
-                optimizer, 2, 70, 16, 2, style)
+            found[f"custom-loop-{style}-2replicas-ragged-{optimizer}"] = (
+                custom_loop_case,
+                optimizer,
+                2,
+                70,
+                16,
+                2,
+                style,
+            )
         # Several micro-batches a compiled call (gacli's own loop under several replicas): 3 does
         # not divide the epoch's 5 micro-batches, and windows of 2 straddle the calls.
-        results[f"model-2replicas-ragged-steps_per_execution-{optimizer}"] = fit_case(
-            "model", optimizer, 2, 150, 16, 2, steps_per_execution=3)
+        found[f"model-2replicas-ragged-steps_per_execution-{optimizer}"] = (
+            fit_case,
+            "model",
+            optimizer,
+            2,
+            150,
+            16,
+            2,
+            3,
+        )
     for optimizer in ("momentum-global-clipnorm", "momentum-clipvalue", "sgd-agc"):
-        results[f"model-2replicas-ragged-{optimizer}"] = fit_case("model", optimizer, 2, 70, 16, 2)
-        results[f"optimizer-2replicas-{optimizer}"] = fit_case("optimizer", optimizer, 2, 128,
-                                                               16, 2)
+        found[f"model-2replicas-ragged-{optimizer}"] = (fit_case, "model", optimizer, 2, 70, 16, 2)
+        found[f"optimizer-2replicas-{optimizer}"] = (
+            fit_case,
+            "optimizer",
+            optimizer,
+            2,
+            128,
+            16,
+            2,
+        )
+    for optimizer in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm"):
+        found[f"optimizer-2replicas-restored-{optimizer}"] = (restored_case, optimizer)
+    for accum_steps in (1, 4):
+        found[f"noise-scale-2replicas-k{accum_steps}"] = (noise_scale_case, accum_steps)
+    return found
+
+
+# Run in a process of their own: their model differs from the MLP of the others, and a second
+# MirroredStrategy in one process can reuse the first's collective instance keys, which fails on
+# tensors of another shape (TensorFlow's collectives, not gacli's).
+SEPARATE = "noise-scale"
+
+
+def main():
+    """All cases but the SEPARATE ones, or those whose name holds the first argument:
+    python tests/distributed_cases.py restored"""
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
+    results = {
+        name: case[0](*case[1:])
+        for name, case in cases().items()
+        if (only in name if only else SEPARATE not in name)
+    }
     print("RESULTS " + json.dumps(results))
 
 

@@ -3,13 +3,12 @@
 Trains the library's two entry points on ragged data (70 samples, global micro-batches of 16, 16,
 16, 16, 6) and compares each with a big-batch run in this process, without a strategy; prints
 ``RESULTS {json}`` with the max abs weight differences and a digest of the final weights.
-Usage: TF_CONFIG=... python multiworker_cases.py
+Usage: TF_CONFIG=... python tests/multiworker_cases.py (its folder on sys.path finds ``helpers``).
 """
 
 import hashlib
 import json
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -17,8 +16,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import (  # noqa: E402
+import gacli  # noqa: E402
+from helpers import (  # noqa: E402
     big_batch_reference,
     epoch_windows,
     make_data,
@@ -26,8 +25,6 @@ from conftest import (  # noqa: E402
     mlp_layers,
     plain_model,
 )
-
-import gacli  # noqa: E402
 
 SAMPLES, PER_WORKER, ACCUM, EPOCHS = 70, 8, 2, 2
 
@@ -48,18 +45,21 @@ def main():
         inputs, outputs = mlp_layers()
         model = gacli.GradientAccumulateModel(accum_steps=ACCUM, inputs=inputs, outputs=outputs)
         model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
-    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch), epochs=EPOCHS,
-              verbose=0)
+    model.fit(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch), epochs=EPOCHS, verbose=0
+    )
     results["fit-model-wrapper"] = max_weight_difference(model, reference)
     results["fit-model-wrapper-digest"] = digest(model)
 
     with strategy.scope():
         model = plain_model()
         accumulator = gacli.GradientAccumulateOptimizer(
-            keras.optimizers.SGD(0.1, momentum=0.9), accum_steps=ACCUM)
+            keras.optimizers.SGD(0.1, momentum=0.9), accum_steps=ACCUM
+        )
         accumulator.build(model.trainable_variables)
     dataset = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    )
 
     @tf.function
     def train_micro_batch(batch):
@@ -67,8 +67,9 @@ def main():
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(model(x_local, training=True) - y_local))
             grads = tape.gradient(loss, model.trainable_variables)
-            accumulator.apply_gradients(zip(grads, model.trainable_variables),
-                                        sample_count=tf.shape(x_local)[0])
+            accumulator.apply_gradients(
+                zip(grads, model.trainable_variables), sample_count=tf.shape(x_local)[0]
+            )
 
         strategy.run(on_replica, args=batch)
 

@@ -6,7 +6,10 @@ import sys
 import keras
 import numpy as np
 import pytest
-from conftest import (
+
+import gacli
+from helpers import (
+    agc_big_batch_reference,
     big_batch_reference,
     epoch_windows,
     make_data,
@@ -14,8 +17,6 @@ from conftest import (
     mlp_layers,
     plain_model,
 )
-
-import gacli
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness
@@ -48,8 +49,9 @@ def subclassed_mlp(seed=0):
 @pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed"])
 def test_wrap_model_trains_the_same_weights_exactly(kind):
     """wrap_model keeps the model's own weights (no copy, no re-init) and trains them exactly."""
-    build = {"functional": plain_model, "sequential": sequential_mlp,
-             "subclassed": subclassed_mlp}[kind]
+    build = {"functional": plain_model, "sequential": sequential_mlp, "subclassed": subclassed_mlp}[
+        kind
+    ]
     x, y = make_data(70)
     original = build()
     initial = original.get_weights()
@@ -69,13 +71,24 @@ def test_wrap_model_trains_the_same_weights_exactly(kind):
 def test_gradient_accumulator_arguments_are_accepted():
     inputs, outputs = mlp_layers()
     model = gacli.GradientAccumulateModel(
-        accum_steps=4, mixed_precision=False, use_agc=True, clip_factor=0.02, eps=1e-3,
-        experimental_distributed_support=True, inputs=inputs, outputs=outputs,
+        accum_steps=4,
+        mixed_precision=False,
+        use_agc=True,
+        clip_factor=0.02,
+        eps=1e-3,
+        experimental_distributed_support=True,
+        inputs=inputs,
+        outputs=outputs,
     )
     assert (model.accum_steps, model.use_agc, model.clip_factor) == (4, True, 0.02)
     optimizer = gacli.GradientAccumulateOptimizer(
-        optimizer="SGD", accum_steps=4, reduction="MEAN", use_agc=False, mixed_precision=False,
-        name="GradientAccumulateOptimizer", dtype="float32",
+        optimizer="SGD",
+        accum_steps=4,
+        reduction="MEAN",
+        use_agc=False,
+        mixed_precision=False,
+        name="GradientAccumulateOptimizer",
+        dtype="float32",
     )
     assert isinstance(optimizer.inner_optimizer, keras.optimizers.SGD)
     assert optimizer.reduction.value == "mean"
@@ -83,15 +96,11 @@ def test_gradient_accumulator_arguments_are_accepted():
 
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
 def test_agc_acts_once_on_the_accumulated_gradient(wrapper):
-    """use_agc with k micro-batches equals AGC on the one big-batch gradient."""
+    """use_agc with k micro-batches equals AGC on the one big-batch gradient, clipped in NumPy."""
     x, y = make_data(128)
-
-    def big_batch_optimizer():
-        return gacli.GradientAccumulateOptimizer(
-            keras.optimizers.SGD(0.5), accum_steps=1, use_agc=True, clip_factor=0.01
-        )
-
-    reference = big_batch_reference(big_batch_optimizer, epoch_windows(128, 64, 2), x, y)
+    reference = agc_big_batch_reference(
+        lambda: keras.optimizers.SGD(0.5), epoch_windows(128, 64, 2), x, y, clip_factor=0.01
+    )
     if wrapper == "model":
         inputs, outputs = mlp_layers()
         model = gacli.GradientAccumulateModel(
@@ -109,16 +118,18 @@ def test_agc_acts_once_on_the_accumulated_gradient(wrapper):
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     assert max_weight_difference(model, reference) <= 1e-6
     # Clipping was active: without AGC the weights end elsewhere.
-    unclipped = big_batch_reference(lambda: keras.optimizers.SGD(0.5),
-                                    epoch_windows(128, 64, 2), x, y)
+    unclipped = big_batch_reference(
+        lambda: keras.optimizers.SGD(0.5), epoch_windows(128, 64, 2), x, y
+    )
     assert max_weight_difference(model, unclipped) > 1e-3
 
 
 def test_reduction_sum_adds_micro_batch_gradients():
     """reduction="sum" with SGD(lr) and k equal micro-batches is SGD(k * lr) on the big batch."""
     x, y = make_data(128)
-    reference = big_batch_reference(lambda: keras.optimizers.SGD(0.4), epoch_windows(128, 64, 1),
-                                    x, y)
+    reference = big_batch_reference(
+        lambda: keras.optimizers.SGD(0.4), epoch_windows(128, 64, 1), x, y
+    )
     model = plain_model()
     model.compile(
         optimizer=gacli.GradientAccumulateOptimizer(
@@ -140,13 +151,33 @@ def mixed_precision_model_without_policy():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: gacli.GradientAccumulateOptimizer("adam", accum_steps=0), "accum_steps=0 must be >= 1"),
+        (
+            lambda: gacli.GradientAccumulateOptimizer("adam", accum_steps=0),
+            "accum_steps=0 must be >= 1",
+        ),
         (lambda: gacli.GradientAccumulateOptimizer("adam", accum_steps=2.5), "whole number"),
-        (lambda: gacli.GradientAccumulateOptimizer("adam", partial_window="later"), "partial_window='later'"),
-        (lambda: gacli.GradientAccumulateOptimizer("adam", clipnorm=1.0), "belong to the inner optimizer"),
-        (lambda: gacli.GradientAccumulateOptimizer("adam", mixed_precision=True), "set_global_policy('mixed_float16')"),
-        (lambda: gacli.GradientAccumulateOptimizer(gacli.GradientAccumulateOptimizer("sgd")), "cannot wrap another"),
-        (lambda: gacli.GradientAccumulateOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2)), "already accumulates"),
+        (
+            lambda: gacli.GradientAccumulateOptimizer("adam", partial_window="later"),
+            "partial_window='later'",
+        ),
+        (
+            lambda: gacli.GradientAccumulateOptimizer("adam", clipnorm=1.0),
+            "belong to the inner optimizer",
+        ),
+        (
+            lambda: gacli.GradientAccumulateOptimizer("adam", mixed_precision=True),
+            "set_global_policy('mixed_float16')",
+        ),
+        (
+            lambda: gacli.GradientAccumulateOptimizer(gacli.GradientAccumulateOptimizer("sgd")),
+            "cannot wrap another",
+        ),
+        (
+            lambda: gacli.GradientAccumulateOptimizer(
+                keras.optimizers.SGD(gradient_accumulation_steps=2)
+            ),
+            "already accumulates",
+        ),
         (lambda: mixed_precision_model_without_policy(), "mixed_float16"),
     ],
 )
@@ -164,5 +195,7 @@ def test_model_and_optimizer_accum_steps_must_agree():
 
 def test_import_gacli_does_not_import_tensorflow():
     code = "import sys, gacli; print('tensorflow' in sys.modules, gacli.__version__)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.split()[0] == "False"

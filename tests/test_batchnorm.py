@@ -24,8 +24,10 @@ def conv_model(make_norm, seed=0):
 def images(num_samples, seed=0):
     rng = np.random.default_rng(seed)
     # Micro-batches with different means, so the between-micro-batch variance term matters.
-    x = rng.normal(size=(num_samples, 6, 6, 2)) + np.repeat(np.arange(num_samples // MICRO + 1),
-                                                             MICRO)[:num_samples, None, None, None]
+    x = (
+        rng.normal(size=(num_samples, 6, 6, 2))
+        + np.repeat(np.arange(num_samples // MICRO + 1), MICRO)[:num_samples, None, None, None]
+    )
     y = rng.normal(size=(num_samples, 1))
     return x.astype("float32"), y.astype("float32")
 
@@ -81,22 +83,25 @@ def test_b1_windows_and_partial_window_over_epochs_any_rank_and_axis(axis, shape
         h = norm()(inputs)
         return inputs, keras.layers.Dense(1)(keras.layers.Flatten()(h))
 
-    reference = keras.Model(*build(lambda: keras.layers.BatchNormalization(axis=axis,
-                                                                              momentum=0.5)))
+    reference = keras.Model(
+        *build(lambda: keras.layers.BatchNormalization(axis=axis, momentum=0.5))
+    )
     reference.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     for _ in range(2):
         reference.train_on_batch(x[:32], y[:32])
         reference.train_on_batch(x[32:], y[32:])
 
-    inputs, outputs = build(lambda: gacli.AccumBatchNormalization(accum_steps=K, axis=axis,
-                                                                     momentum=0.5))
+    inputs, outputs = build(
+        lambda: gacli.AccumBatchNormalization(accum_steps=K, axis=axis, momentum=0.5)
+    )
     model = gacli.GradientAccumulateModel(accum_steps=K, inputs=inputs, outputs=outputs)
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
     bn, expected = model.layers[1], reference.layers[1]
     np.testing.assert_allclose(bn.moving_mean.numpy(), expected.moving_mean.numpy(), atol=1e-5)
-    np.testing.assert_allclose(bn.moving_variance.numpy(), expected.moving_variance.numpy(),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        bn.moving_variance.numpy(), expected.moving_variance.numpy(), atol=1e-5
+    )
 
 
 def pretrained_bn_model():
@@ -106,7 +111,9 @@ def pretrained_bn_model():
     bn = model.layers[2]
     for variable in (bn.gamma, bn.beta, bn.moving_mean):
         variable.assign(rng.normal(size=variable.shape).astype("float32"))
-    bn.moving_variance.assign(rng.uniform(0.5, 2.0, size=bn.moving_variance.shape).astype("float32"))
+    bn.moving_variance.assign(
+        rng.uniform(0.5, 2.0, size=bn.moving_variance.shape).astype("float32")
+    )
     return model
 
 
@@ -176,8 +183,9 @@ def test_accum_batchnorm_under_mixed_float16_matches_big_batch_bn():
         reference = keras.Model(*conv_model(lambda: keras.layers.BatchNormalization(momentum=0.0)))
         reference.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
         reference.train_on_batch(x, y)
-        inputs, outputs = conv_model(lambda: gacli.AccumBatchNormalization(accum_steps=K,
-                                                                            momentum=0.0))
+        inputs, outputs = conv_model(
+            lambda: gacli.AccumBatchNormalization(accum_steps=K, momentum=0.0)
+        )
         model = gacli.GradientAccumulateModel(accum_steps=K, inputs=inputs, outputs=outputs)
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
         model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
@@ -186,5 +194,6 @@ def test_accum_batchnorm_under_mixed_float16_matches_big_batch_bn():
     bn, expected = model.layers[2], reference.layers[2]
     assert bn.compute_dtype == "float16" and bn.moving_variance.dtype == "float32"
     np.testing.assert_allclose(bn.moving_mean.numpy(), expected.moving_mean.numpy(), atol=1e-4)
-    np.testing.assert_allclose(bn.moving_variance.numpy(), expected.moving_variance.numpy(),
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        bn.moving_variance.numpy(), expected.moving_variance.numpy(), atol=1e-4
+    )

@@ -17,14 +17,30 @@ CONFIGS = ["A", "gacli_model", "ga_train"]  # a library path, the model wrapper 
 
 @pytest.mark.slow
 def test_quick_benchmark_writes_table_json_and_chart(tmp_path):
-    command = [sys.executable, str(BENCH), "--quick", "--reps", "1", "--models", "mlp", "--jit",
-               "off", "--configs", *CONFIGS, "--results-dir", str(tmp_path), "--out", "smoke"]
+    command = [
+        sys.executable,
+        str(BENCH),
+        "--quick",
+        "--reps",
+        "1",
+        "--models",
+        "mlp",
+        "--jit",
+        "off",
+        "--configs",
+        *CONFIGS,
+        "--results-dir",
+        str(tmp_path),
+        "--out",
+        "smoke",
+    ]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
     raw = json.loads((tmp_path / "smoke.json").read_text())
     assert [run["config"] for run in sorted(raw["runs"], key=lambda r: r["config"])] == sorted(
-        CONFIGS)
+        CONFIGS
+    )
     for run in raw["runs"]:
         assert run["status"] == "ok", run.get("error")
         assert run["samples"] == raw["runs"][0]["samples"]  # equal work in the timed window
@@ -32,12 +48,16 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path):
         assert run["peak_rss_bytes"] > 0 and run["wall_s"] > 0
         # The process's peak covers the warm-up (trace, compile) and the timed window.
         assert run["window_peak_rss_bytes"] > 0
-        assert run["peak_rss_bytes"] >= max(run["warmup_peak_rss_bytes"],
-                                            run["window_peak_rss_bytes"])
+        assert run["peak_rss_bytes"] >= max(
+            run["warmup_peak_rss_bytes"], run["window_peak_rss_bytes"]
+        )
     spec = raw["meta"]["models"]["mlp"]
     updates = {run["config"]: run["updates_in_window"] for run in raw["runs"]}
-    assert updates == {"A": spec["measure_updates"] * spec["accum_steps"],
-                       "gacli_model": spec["measure_updates"], "ga_train": spec["measure_updates"]}
+    assert updates == {
+        "A": spec["measure_updates"] * spec["accum_steps"],
+        "gacli_model": spec["measure_updates"],
+        "ga_train": spec["measure_updates"],
+    }
     assert sorted(s["kind"] for s in raw["startup"]) == ["config_error", "help"]
     assert {s["kind"]: s["returncode"] for s in raw["startup"]} == {"help": 0, "config_error": 2}
 
@@ -54,17 +74,30 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path):
 @pytest.mark.slow
 def test_rss_phases_prints_every_phase_of_every_configuration(tmp_path):
     script = BENCH.parent / "rss_phases.py"
-    command = [sys.executable, str(script), "--quick", "--reps", "1", "--models", "mlp", "--jit",
-               "off"]
+    command = [
+        sys.executable,
+        str(script),
+        "--quick",
+        "--reps",
+        "1",
+        "--models",
+        "mlp",
+        "--jit",
+        "off",
+    ]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
     assert [row.split("|")[1].strip() for row in rows] == [
-        "A: fit, batch b", "C: Keras gradient_accumulation_steps", "gacli wrap_model",
-        "gacli GradientAccumulateOptimizer"]
+        "A: fit, batch b",
+        "C: Keras gradient_accumulation_steps",
+        "gacli wrap_model",
+        "gacli GradientAccumulateOptimizer",
+    ]
     for row in rows:
         start, first, held, live, window, freed = (
-            float(cell.replace(",", "")) for cell in row.split("|")[2:8])
+            float(cell.replace(",", "")) for cell in row.split("|")[2:8]
+        )
         # (Other threads allocate between the reads: only orderings that cannot race are checked.)
         assert 0 < start <= first and held > 0 and live > 0 and window > 0
         assert abs(freed - (held - live)) <= 1  # each cell rounded on its own

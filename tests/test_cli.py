@@ -5,57 +5,31 @@ import json
 import os
 import subprocess
 import sys
-from importlib import resources
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.util.tensor_util import make_ndarray
+
+from helpers import event_tags, ga_train, run_dir_of, scalars, shipped
 
 TRAIN_TAGS = {
-    "batch/effective_size", "batch/micro_size", "batch/accum_steps", "batch/replicas",
-    "train/loss", "optimizer/lr", "optimizer/step", "optimizer/micro_step",
-    "throughput/samples_per_sec", "memory/host_rss_bytes", "memory/host_peak_rss_bytes",
+    "batch/effective_size",
+    "batch/micro_size",
+    "batch/accum_steps",
+    "batch/replicas",
+    "train/loss",
+    "optimizer/lr",
+    "optimizer/step",
+    "optimizer/micro_step",
+    "throughput/samples_per_sec",
+    "memory/host_rss_bytes",
+    "memory/host_peak_rss_bytes",
 }
 
 
-def ga_train(*arguments, cwd, timeout=600, env=None):
-    """Run the installed ga-train; returns (exit code, stdout + stderr)."""
-    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *arguments]
-    environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    environment.update(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                            env=environment)
-    return result.returncode, result.stdout + result.stderr
-
-
-def event_tags(run_dir):
-    files = glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))
-    assert len(files) == 1, files
-    events = EventAccumulator(files[0])
-    events.Reload()
-    return set(events.Tags()["tensors"]), events
-
-
-def scalars(events, tag):
-    return [float(make_ndarray(event.tensor_proto)) for event in events.Tensors(tag)]
-
-
-def run_dir_of(output):
-    lines = [line for line in output.splitlines() if line.startswith("run directory: ")]
-    assert len(lines) == 2 and lines[0] == lines[1], output  # printed first and last
-    return lines[0].split(": ", 1)[1]
-
-
-def shipped(package, group=None):
-    folder = resources.files(package) / group if group else resources.files(package)
-    return sorted(entry.name[:-5] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
-
-
-COMPOSE_CASES = (
-    [("config=" + name + ".yaml",) for name in shipped("gacli.recipes")]
-    + [(f"{group}={name}",) for group in ("model", "dataset", "optimizer", "precision", "strategy")
-       for name in shipped("gacli.configs", group)]
-)
+COMPOSE_CASES = [("config=" + name + ".yaml",) for name in shipped("gacli.recipes")] + [
+    (f"{group}={name}",)
+    for group in ("model", "dataset", "optimizer", "precision", "strategy")
+    for name in shipped("gacli.configs", group)
+]
 
 
 @pytest.mark.parametrize("arguments", COMPOSE_CASES, ids=[c[0] for c in COMPOSE_CASES])
@@ -67,8 +41,13 @@ def test_every_shipped_config_and_recipe_composes(arguments, tmp_path):
 
 def test_unet_recipe_runs_and_logs_every_tag(tmp_path):
     code, output = ga_train(
-        "config=unet.yaml", "accum_steps=8", "epochs=2", "dataset.num_samples=73",
-        "dataset.image_size=16", "model.depth=2", cwd=tmp_path,
+        "config=unet.yaml",
+        "accum_steps=8",
+        "epochs=2",
+        "dataset.num_samples=73",
+        "dataset.image_size=16",
+        "model.depth=2",
+        cwd=tmp_path,
     )
     assert code == 0, output
     run_dir = run_dir_of(output)
@@ -93,8 +72,14 @@ def test_unet_recipe_runs_and_logs_every_tag(tmp_path):
 
 def test_batch_arithmetic_from_the_command_line_wins_over_the_recipe(tmp_path):
     code, output = ga_train(
-        "config=unet.yaml", "effective_batch_size=32", "micro_batch_size=4", "epochs=1",
-        "steps_per_epoch=1", "dataset.num_samples=40", "dataset.image_size=16", "model.depth=2",
+        "config=unet.yaml",
+        "effective_batch_size=32",
+        "micro_batch_size=4",
+        "epochs=1",
+        "steps_per_epoch=1",
+        "dataset.num_samples=40",
+        "dataset.image_size=16",
+        "model.depth=2",
         cwd=tmp_path,
     )
     assert code == 0, output
@@ -103,12 +88,12 @@ def test_batch_arithmetic_from_the_command_line_wins_over_the_recipe(tmp_path):
 
 @pytest.mark.slow
 def test_multirun_sweep_gives_one_tensorboard_run_per_job(tmp_path):
-    code, output = ga_train("-m", "accum_steps=1,2", "epochs=1", "steps_per_epoch=2",
-                            cwd=tmp_path)
+    code, output = ga_train("-m", "accum_steps=1,2", "epochs=1", "steps_per_epoch=2", cwd=tmp_path)
     assert code == 0, output
     jobs = sorted(glob.glob(str(tmp_path / "multirun" / "default" / "*" / "*_accum_steps=*")))
     assert [os.path.basename(job) for job in jobs] == [
-        "0_accum_steps=1,epochs=1,steps_per_epoch=2", "1_accum_steps=2,epochs=1,steps_per_epoch=2"
+        "0_accum_steps=1,epochs=1,steps_per_epoch=2",
+        "1_accum_steps=2,epochs=1,steps_per_epoch=2",
     ]
     for job, accum_steps in zip(jobs, (1, 2)):
         tags, events = event_tags(job)
@@ -121,21 +106,33 @@ BAD_INPUT = [
     (["acum_steps=4"], "ga-train: acum_steps=4: acum_steps is not a key ga-train reads"),
     (["accum_steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
     (["accum_steps=0"], "ga-train: accum_steps=0 must be a whole number >= 1"),
-    (["effective_batch_size=100", "micro_batch_size=16"],
-     "ga-train: effective_batch_size=100 is not a multiple of micro_batch_size x replicas"),
+    (
+        ["effective_batch_size=100", "micro_batch_size=16"],
+        "ga-train: effective_batch_size=100 is not a multiple of micro_batch_size x replicas",
+    ),
     (["config=nope.yaml"], "ga-train: config=nope.yaml is neither a shipped recipe"),
     (["optimizer.name=adamm"], "Invalid value 'adamm'"),
     (["model.name=transformer"], "ga-train: model.name=transformer is not a known model"),
-    (["dataset=npz", "dataset.path=/nonexistent/train.npz"],
-     "ga-train: dataset.path=/nonexistent/train.npz does not exist"),
-    (["config=unet.yaml", "dataset.image_size=20"],
-     "ga-train: model=unet with model.depth=3 halves the image 3 times"),
+    (
+        ["dataset=npz", "dataset.path=/nonexistent/train.npz"],
+        "ga-train: dataset.path=/nonexistent/train.npz does not exist",
+    ),
+    (
+        ["config=unet.yaml", "dataset.image_size=20"],
+        "ga-train: model=unet with model.depth=3 halves the image 3 times",
+    ),
     (["model=unet"], "ga-train: model=unet segments images"),
     (["steps_per_execution=0"], "ga-train: steps_per_execution=0 must be >= 1"),
     (["precise_bn_micro_batches=0"], "ga-train: precise_bn_micro_batches=0 must be >= 1"),
-    (["wrapper=optimizer", "strategy=mirrored", "strategy.logical_cpus=2",
-      "steps_per_execution=4"],
-     "ga-train: steps_per_execution=4 with wrapper=optimizer fails under 2 replicas"),
+    (
+        [
+            "wrapper=optimizer",
+            "strategy=mirrored",
+            "strategy.logical_cpus=2",
+            "steps_per_execution=4",
+        ],
+        "ga-train: steps_per_execution=4 with wrapper=optimizer fails under 2 replicas",
+    ),
 ]
 
 
@@ -158,13 +155,25 @@ print("tensorflow imported:", "tensorflow" in sys.modules)
 """
 
 
-@pytest.mark.parametrize("arguments", [["--help"], ["accum_steps=0"], ["acum_steps=1"],
-                                       ["effective_batch_size=100", "micro_batch_size=16"]])
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["--help"],
+        ["accum_steps=0"],
+        ["acum_steps=1"],
+        ["effective_batch_size=100", "micro_batch_size=16"],
+    ],
+)
 def test_help_and_config_errors_answer_without_importing_tensorflow(arguments, tmp_path):
     """What makes them answer at once (TensorFlow alone takes seconds to import); the time itself
     is measured by benchmarks, not asserted here."""
-    result = subprocess.run([sys.executable, "-c", CHECK_IMPORTS, *arguments], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", CHECK_IMPORTS, *arguments],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "tensorflow imported: False" in result.stdout, result.stdout + result.stderr
 
 
@@ -201,12 +210,21 @@ def test_a_default_run_is_quiet_and_its_log_lines_whole(recipe, tmp_path):
     failed CUDA probe of a machine without a GPU, a warning about BN statistics that the start-up
     panel states), no empty log file, and lines that a file receives whole, not wrapped at 80
     columns."""
-    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *recipe, "epochs=1",
-               "steps_per_epoch=2", "progress=plain"]
-    environment = {k: v for k, v in os.environ.items()
-                   if k not in ("TF_CPP_MIN_LOG_LEVEL", "COLUMNS", "HYDRA_FULL_ERROR")}
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                            env=environment)
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "ga-train"),
+        *recipe,
+        "epochs=1",
+        "steps_per_epoch=2",
+        "progress=plain",
+    ]
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CPP_MIN_LOG_LEVEL", "COLUMNS", "HYDRA_FULL_ERROR")
+    }
+    result = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=environment
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr == "", result.stderr
     epoch_lines = [line for line in result.stdout.splitlines() if line.startswith("epoch 1/1")]

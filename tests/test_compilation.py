@@ -2,16 +2,18 @@
 
 import keras
 import pytest
-from conftest import (
+
+import gacli
+from helpers import (
+    MICRO,
+    K,
+    accumulating_model,
     big_batch_reference,
     epoch_windows,
     make_data,
     max_weight_difference,
     mlp_layers,
 )
-from test_exactness import MICRO, K, accumulating_model
-
-import gacli
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness
@@ -43,6 +45,7 @@ def test_x1_compiled_training_equals_big_batch(wrapper, compile_options, name):
 def test_x2_one_trace_serves_accumulate_and_apply_steps(jit_compile):
     """The train function is traced once, yet some calls update and some only accumulate: the
     apply/accumulate decision is a graph conditional, not Python branching per micro-step."""
+
     class TraceCountingModel(gacli.GradientAccumulateModel):
         traces = 0
 

@@ -32,8 +32,13 @@ def test_any_two_determine_the_third(micro, accum, effective, replicas, given, e
     "micro, accum, effective, replicas, message",
     [
         # All three from config files: the one to set to null is named.
-        (32, 4, 100, 1, "= 128. Set the one to derive to null in your YAML, e.g. "
-                        "effective_batch_size: null"),
+        (
+            32,
+            4,
+            100,
+            1,
+            "= 128. Set the one to derive to null in your YAML, e.g. effective_batch_size: null",
+        ),
         (16, None, 100, 1, "use e.g. effective_batch_size=96 or 112"),
         (16, None, 32, 4, "is not a multiple of micro_batch_size x replicas = 16 x 4 = 64"),
         (None, 3, 100, 1, "set micro_batch_size instead"),

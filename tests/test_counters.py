@@ -2,8 +2,16 @@
 
 import keras
 import pytest
-from conftest import big_batch_reference, epoch_windows, make_data, max_weight_difference
-from test_exactness import MICRO, K, accumulating_model
+
+from helpers import (
+    MICRO,
+    K,
+    accumulating_model,
+    big_batch_reference,
+    epoch_windows,
+    make_data,
+    max_weight_difference,
+)
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness

@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import MEASURED
+
+from helpers import record
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness
@@ -17,33 +18,72 @@ pytestmark = pytest.mark.exactness
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(scope="module")
-def distributed_results():
-    result = subprocess.run([sys.executable, os.path.join(HERE, "distributed_cases.py")],
-                            capture_output=True, text=True, timeout=900)
+def _run_cases(*selection):
+    result = subprocess.run(
+        [sys.executable, os.path.join(HERE, "distributed_cases.py"), *selection],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
     assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(lines[0][len("RESULTS "):])
+    return json.loads(lines[0][len("RESULTS ") :])
 
 
-CASES = [
-    f"{kind}-{optimizer}"
-    for kind in ("model-2replicas-ragged", "model-1replica-ragged", "optimizer-2replicas",
-                 "custom-loop-local-mean-2replicas-ragged", "custom-loop-keras-loss-2replicas-ragged",
-                 "custom-loop-compute-average-loss-2replicas-ragged",
-                 "model-2replicas-ragged-steps_per_execution")
-    for optimizer in ("momentum", "adam")
-] + [
-    f"{kind}-{clipping}"
-    for kind in ("model-2replicas-ragged", "optimizer-2replicas")
-    for clipping in ("momentum-global-clipnorm", "momentum-clipvalue", "sgd-agc")
-]
+@pytest.fixture(scope="module")
+def distributed_results():
+    return _run_cases()
+
+
+@pytest.fixture(scope="module")
+def noise_scale_results():
+    return _run_cases("noise-scale")
+
+
+CASES = (
+    [
+        f"{kind}-{optimizer}"
+        for kind in (
+            "model-2replicas-ragged",
+            "model-1replica-ragged",
+            "optimizer-2replicas",
+            "custom-loop-local-mean-2replicas-ragged",
+            "custom-loop-keras-loss-2replicas-ragged",
+            "custom-loop-compute-average-loss-2replicas-ragged",
+            "model-2replicas-ragged-steps_per_execution",
+        )
+        for optimizer in ("momentum", "adam")
+    ]
+    + [
+        f"{kind}-{clipping}"
+        for kind in ("model-2replicas-ragged", "optimizer-2replicas")
+        for clipping in ("momentum-global-clipnorm", "momentum-clipvalue", "sgd-agc")
+    ]
+    + [
+        # Restored mid-window in new objects that never traced a micro-step, then applied: the
+        # window's normalisation and its variables come from saved state, not from a trace.
+        f"optimizer-2replicas-restored-{optimizer}"
+        for optimizer in ("momentum", "momentum-clipvalue", "momentum-global-clipnorm")
+    ]
+)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["noise-scale-2replicas-k1", "noise-scale-2replicas-k4"])
+def test_noise_scale_under_two_replicas_agrees_with_per_example_gradients(
+    noise_scale_results, case
+):
+    """Each replica's micro-batch is a small batch, the window over both replicas the big one:
+    |G|^2, tr(Sigma) and B_simple within 5% of the direct calculation (test_noise_scale.py)."""
+    error = noise_scale_results[case]
+    record(error, f"noise scale {case}, largest relative error")
+    assert error <= 0.05
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES)
 def test_d1_d3_mirrored_matches_single_device_big_batch(distributed_results, case):
-    difference = distributed_results[case]
-    MEASURED.setdefault(f"test_d1_d3_mirrored[{case}]", []).append(difference)
+    difference = record(distributed_results[case], f"test_d1_d3_mirrored[{case}]")
     assert difference <= (1e-5 if "adam" in case else 1e-6)

@@ -8,7 +8,8 @@ import time
 
 import numpy as np
 import pytest
-from test_cli import ga_train, run_dir_of
+
+from helpers import ga_train, run_dir_of
 
 
 def assert_refused(code, output, first_line, tmp_path):
@@ -21,23 +22,39 @@ def assert_refused(code, output, first_line, tmp_path):
 
 
 YAML_CASES = {
-    "syntax.yaml": ("defaults: [/train, _self_]\naccum_steps: [1\n",
-                    "ga-train: ./syntax.yaml:2:14: not valid YAML (while parsing a flow sequence"),
-    "tab.yaml": ("defaults: [/train, _self_]\n\tepochs: 2\n", "ga-train: ./tab.yaml:2:1: not valid"),
-    "empty.yaml": ("", "ga-train: config=./empty.yaml is empty; a ga-train config starts from "
-                       "gacli's defaults with these lines:\ndefaults:\n  - /train\n  - _self_"),
-    "nodefaults.yaml": ("accum_steps: 2\n", "ga-train: config=./nodefaults.yaml does not start "
-                                            "from gacli's defaults"),
-    "unknown.yaml": ("defaults: [/train, _self_]\noptimizer:\n  learnig_rate: 0.1\n",
-                     "ga-train: config=./unknown.yaml: optimizer.learnig_rate is not a key "
-                     "ga-train reads, so setting it would change nothing; did you mean "
-                     "optimizer.learning_rate?"),
+    "syntax.yaml": (
+        "defaults: [/train, _self_]\naccum_steps: [1\n",
+        "ga-train: ./syntax.yaml:2:14: not valid YAML (while parsing a flow sequence",
+    ),
+    "tab.yaml": (
+        "defaults: [/train, _self_]\n\tepochs: 2\n",
+        "ga-train: ./tab.yaml:2:1: not valid",
+    ),
+    "empty.yaml": (
+        "",
+        "ga-train: config=./empty.yaml is empty; a ga-train config starts from "
+        "gacli's defaults with these lines:\ndefaults:\n  - /train\n  - _self_",
+    ),
+    "nodefaults.yaml": (
+        "accum_steps: 2\n",
+        "ga-train: config=./nodefaults.yaml does not start from gacli's defaults",
+    ),
+    "unknown.yaml": (
+        "defaults: [/train, _self_]\noptimizer:\n  learnig_rate: 0.1\n",
+        "ga-train: config=./unknown.yaml: optimizer.learnig_rate is not a key "
+        "ga-train reads, so setting it would change nothing; did you mean "
+        "optimizer.learning_rate?",
+    ),
     # Two batch keys set, the default job's accum_steps: 4 left in place.
-    "no_null.yaml": ("defaults: [/train, _self_]\nmicro_batch_size: 16\neffective_batch_size: 256\n",
-                     "Set the one to derive to null in your YAML, e.g. accum_steps: null (then "
-                     "accum_steps = 16)"),
-    "group_by_name.yaml": ("defaults: [/train, _self_]\ndataset: {name: image_folder}\n",
-                           "'- override /dataset: image_folder' to the defaults list"),
+    "no_null.yaml": (
+        "defaults: [/train, _self_]\nmicro_batch_size: 16\neffective_batch_size: 256\n",
+        "Set the one to derive to null in your YAML, e.g. accum_steps: null (then "
+        "accum_steps = 16)",
+    ),
+    "group_by_name.yaml": (
+        "defaults: [/train, _self_]\ndataset: {name: image_folder}\n",
+        "'- override /dataset: image_folder' to the defaults list",
+    ),
 }
 
 
@@ -52,16 +69,20 @@ def test_a_users_yaml_is_checked_before_composition(name, tmp_path):
 OVERRIDE_CASES = [
     (["+foo=1"], "ga-train: +foo=1: foo is not a key ga-train reads"),
     (["+model.widht=3"], "ga-train: +model.widht=3: model.widht is not a key ga-train reads"),
-    (["acum_steps=4"], "ga-train: acum_steps=4: acum_steps is not a key ga-train reads, so "
-                       "setting it would change nothing; did you mean accum_steps?"),
+    (
+        ["acum_steps=4"],
+        "ga-train: acum_steps=4: acum_steps is not a key ga-train reads, so "
+        "setting it would change nothing; did you mean accum_steps?",
+    ),
     # Hydra's own composition errors are input errors too: exit code 2.
     (["accum_steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
     (["model=transformerz"], "Could not find 'model/transformerz'"),
 ]
 
 
-@pytest.mark.parametrize("arguments, first_line", OVERRIDE_CASES,
-                         ids=[case[0][0] for case in OVERRIDE_CASES])
+@pytest.mark.parametrize(
+    "arguments, first_line", OVERRIDE_CASES, ids=[case[0][0] for case in OVERRIDE_CASES]
+)
 def test_keys_nothing_reads_are_refused(arguments, first_line, tmp_path):
     code, output = ga_train(*arguments, cwd=tmp_path)
     assert_refused(code, output, first_line, tmp_path)
@@ -108,15 +129,16 @@ def npz_case(tmp_path, kind):
     if kind == "pickled":
         np.savez(path, x=np.array([object(), object()], dtype=object), y=y[:2])
     return ["dataset=npz", f"dataset.path={path}", "model=mlp"] + (
-        ["dataset.num_classes=3"] if kind == "label-over-num-classes" else [])
+        ["dataset.num_classes=3"] if kind == "label-over-num-classes" else []
+    )
 
 
 DATA_CASES = {
     "nan-pixel": "ga-train: train.npz: the inputs of 1 sample (the first: row 17) hold inf or nan",
     "negative-label": "ga-train: train.npz: the labels of 1 sample (the first: row 23) lie "
-                      "outside 0 .. 2 (the first is -1)",
+    "outside 0 .. 2 (the first is -1)",
     "label-over-num-classes": "ga-train: train.npz: the labels of 1 sample (the first: row 5) lie "
-                              "outside 0 .. 2 (the first is 7); set dataset.num_classes",
+    "outside 0 .. 2 (the first is 7); set dataset.num_classes",
     "garbage": "is not a readable .npz file",
     "truncated": "is not a readable .npz file",
     "pickled": "it holds pickled Python objects, which are not loaded for safety",
@@ -132,13 +154,23 @@ def test_bad_arrays_are_named_before_training(kind, tmp_path):
 
 def test_a_micro_batch_larger_than_the_data_is_refused(tmp_path):
     code, output = ga_train("micro_batch_size=5000", "accum_steps=1", cwd=tmp_path)
-    assert_refused(code, output, "ga-train: micro_batch_size = 5000 is larger than the training "
-                                 "set, which holds 1438 samples", tmp_path)
+    assert_refused(
+        code,
+        output,
+        "ga-train: micro_batch_size = 5000 is larger than the training "
+        "set, which holds 1438 samples",
+        tmp_path,
+    )
     code, output = ga_train("micro_batch_size=500", "accum_steps=4", cwd=tmp_path)
-    assert_refused(code, output, "ga-train: effective_batch_size = 2000 is larger than the "
-                                 "training set, which holds 1438 samples (dataset digits, after "
-                                 "validation_split=0.2): every update would see 1438 samples, not "
-                                 "2000. Use accum_steps=2 (effective batch 1000) or fewer", tmp_path)
+    assert_refused(
+        code,
+        output,
+        "ga-train: effective_batch_size = 2000 is larger than the "
+        "training set, which holds 1438 samples (dataset digits, after "
+        "validation_split=0.2): every update would see 1438 samples, not "
+        "2000. Use accum_steps=2 (effective batch 1000) or fewer",
+        tmp_path,
+    )
 
 
 def image_folder(tmp_path, bad=True):
@@ -155,8 +187,15 @@ def image_folder(tmp_path, bad=True):
         good = (root / "cats" / "00.png").read_bytes()
         (root / "cats" / "cut.png").write_bytes(good[: len(good) // 2])
         (root / "dogs" / "fake.png").write_text("not an image")
-    return ["dataset=image_folder", f"dataset.path={root}", "model=mlp", "dataset.image_size=16",
-            "dataset.validation_split=0.25", "micro_batch_size=4", "epochs=1"]
+    return [
+        "dataset=image_folder",
+        f"dataset.path={root}",
+        "model=mlp",
+        "dataset.image_size=16",
+        "dataset.validation_split=0.25",
+        "micro_batch_size=4",
+        "epochs=1",
+    ]
 
 
 def test_images_that_do_not_decode_are_named_before_training(tmp_path):
@@ -167,8 +206,9 @@ def test_images_that_do_not_decode_are_named_before_training(tmp_path):
 
 
 def test_skip_bad_files_trains_without_them(tmp_path):
-    code, output = ga_train(*image_folder(tmp_path), "dataset.skip_bad_files=true",
-                            "progress=plain", cwd=tmp_path)
+    code, output = ga_train(
+        *image_folder(tmp_path), "dataset.skip_bad_files=true", "progress=plain", cwd=tmp_path
+    )
     assert code == 0, output
     assert "skipping 2 image(s) that cannot be decoded" in output, output
     # 24 readable images, a quarter for validation.
@@ -183,8 +223,9 @@ def tfrecord_file(path, records=40):
         for _ in range(records):
             feature = {
                 "image": tf.train.Feature(float_list=tf.train.FloatList(value=rng.random(16))),
-                "label": tf.train.Feature(int64_list=tf.train.Int64List(
-                    value=[int(rng.integers(0, 3))])),
+                "label": tf.train.Feature(
+                    int64_list=tf.train.Int64List(value=[int(rng.integers(0, 3))])
+                ),
             }
             example = tf.train.Example(features=tf.train.Features(feature=feature))
             writer.write(example.SerializeToString())
@@ -197,8 +238,12 @@ def test_a_damaged_tfrecord_file_is_named(tmp_path):
     content = bytearray(bad.read_bytes())
     content[len(content) // 2] ^= 0xFF
     bad.write_bytes(bytes(content))
-    arguments = ["dataset=tfrecord", f"dataset.path={tmp_path}/*.tfrecord", "model=mlp",
-                 "dataset.features.image={shape:[16],dtype:float32}"]
+    arguments = [
+        "dataset=tfrecord",
+        f"dataset.path={tmp_path}/*.tfrecord",
+        "model=mlp",
+        "dataset.features.image={shape:[16],dtype:float32}",
+    ]
     code, output = ga_train(*arguments, cwd=tmp_path)
     assert_refused(code, output, f"ga-train: {bad} is damaged after its first", tmp_path)
 
@@ -215,17 +260,26 @@ def test_an_unwritable_checkpoint_folder_is_found_at_start(tmp_path):
 
 
 def test_a_second_run_on_a_held_directory_is_refused(tmp_path):
-    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), "epochs=4",
-               "progress=plain", "hydra.run.dir=shared"]
-    first = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True,
-                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "ga-train"),
+        "epochs=4",
+        "progress=plain",
+        "hydra.run.dir=shared",
+    ]
+    first = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
     lock = tmp_path / "shared" / ".gacli.lock"
     deadline = time.time() + 120
     while not (lock.exists() and lock.read_text()):
         assert first.poll() is None and time.time() < deadline
         time.sleep(0.05)
-    hydra_record = (tmp_path / "shared" / ".hydra" / "overrides.yaml")
+    hydra_record = tmp_path / "shared" / ".hydra" / "overrides.yaml"
     while not hydra_record.exists():
         assert first.poll() is None and time.time() < deadline
         time.sleep(0.05)
@@ -244,8 +298,12 @@ def test_bad_input_never_removes_a_directory_that_holds_something_else(tmp_path)
     existing = tmp_path / "mine"
     existing.mkdir()
     (existing / "notes.txt").write_text("the user's own file")
-    code, output = ga_train("dataset=npz", f"dataset.path={tmp_path}/missing.npz",
-                            f"hydra.run.dir={existing}", cwd=tmp_path)
+    code, output = ga_train(
+        "dataset=npz",
+        f"dataset.path={tmp_path}/missing.npz",
+        f"hydra.run.dir={existing}",
+        cwd=tmp_path,
+    )
     assert code == 2 and "does not exist" in output, output
     assert (existing / "notes.txt").read_text() == "the user's own file"
 

@@ -4,11 +4,11 @@ import ctypes
 
 import keras
 import pytest
-from conftest import make_data, mlp_layers
 
 import gacli
 from gacli import host_memory
 from gacli.run_logging import host_memory_bytes
+from helpers import make_data, mlp_layers
 
 
 def test_freed_blocks_between_live_ones_are_given_back():

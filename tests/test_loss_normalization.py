@@ -3,9 +3,9 @@
 import keras
 import numpy as np
 import pytest
-from conftest import max_weight_difference
 
 import gacli
+from helpers import max_weight_difference
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness

@@ -10,29 +10,39 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import FEATURES, big_batch_reference, make_data, max_weight_difference, mlp_layers
-from test_cli import ga_train, run_dir_of
 
 import gacli
 from gacli.runstate import micro_batch_stream, pass_order
+from helpers import (
+    FEATURES,
+    big_batch_reference,
+    ga_train,
+    make_data,
+    max_weight_difference,
+    mlp_layers,
+    run_dir_of,
+)
 
 
 def test_stop_halts_at_the_first_bad_micro_batch_with_the_last_good_weights():
     x, y = make_data(64)
     x[40, 1] = np.nan  # micro-batch 6 of 8 (micro-batches of 8): the third window's second
     inputs, outputs = mlp_layers()
-    model = gacli.GradientAccumulateModel(accum_steps=2, inputs=inputs, outputs=outputs,
-                                          nonfinite="stop")
+    model = gacli.GradientAccumulateModel(
+        accum_steps=2, inputs=inputs, outputs=outputs, nonfinite="stop"
+    )
     # Four micro-batches a compiled call: the call that meets the bad one runs on past it, and
     # neither it nor micro-batches 7 and 8 may reach the weights.
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse",
-                  steps_per_execution=4)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse", steps_per_execution=4
+    )
     with pytest.raises(gacli.NonFiniteError) as stopped:
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert stopped.value.micro_step == 6
     assert "micro-batch 6" in str(stopped.value)
-    reference = big_batch_reference(lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-                                    [np.arange(0, 16), np.arange(16, 32)], x, y)
+    reference = big_batch_reference(
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9), [np.arange(0, 16), np.arange(16, 32)], x, y
+    )
     assert model.optimizer_step.numpy() == 2
     assert max_weight_difference(model, reference) <= 1e-6
     assert all(np.isfinite(weight).all() for weight in model.get_weights())
@@ -40,8 +50,9 @@ def test_stop_halts_at_the_first_bad_micro_batch_with_the_last_good_weights():
 
 def test_stop_in_a_custom_loop_leaves_every_later_micro_batch_out():
     model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
-    optimizer = gacli.GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2,
-                                                  nonfinite="stop")
+    optimizer = gacli.GradientAccumulateOptimizer(
+        keras.optimizers.SGD(0.1), accum_steps=2, nonfinite="stop"
+    )
     variables = model.trainable_variables
     finite = [tf.ones_like(v) for v in variables]
     optimizer.apply(finite, variables, sample_count=4)
@@ -61,8 +72,9 @@ def test_pass_order_names_the_samples_the_stream_reads():
     data = tf.data.Dataset.range(50)
     stream = micro_batch_stream(data, 8, 7, start=0, count=14, shuffle_seed=3, buffer_size=50)
     read = np.concatenate([batch.numpy() for batch in stream])
-    expected = np.concatenate([pass_order(50, index, shuffle_seed=3, buffer_size=50)
-                               for index in (0, 1)])
+    expected = np.concatenate(
+        [pass_order(50, index, shuffle_seed=3, buffer_size=50) for index in (0, 1)]
+    )
     assert np.array_equal(read, expected)
 
 
@@ -77,13 +89,20 @@ def strict(text):
 def test_ga_train_stops_on_a_diverging_run_and_names_the_micro_batch(tmp_path):
     # A learning rate of 1e30 sends the weights to ~1e30 in one update: the next forward pass
     # overflows.
-    code, output = ga_train("optimizer.learning_rate=1e30", "epochs=2", "progress=plain",
-                            "checkpoint_every_updates=1", cwd=tmp_path)
+    code, output = ga_train(
+        "optimizer.learning_rate=1e30",
+        "epochs=2",
+        "progress=plain",
+        "checkpoint_every_updates=1",
+        cwd=tmp_path,
+    )
     assert code == 1, output
     assert "Traceback" not in output, output
-    assert ("ga-train: training stopped at epoch 1, micro-batch 5 of 45: its loss or gradient was "
-            "not finite (inf or nan). It held the samples at positions 128-159 of pass 1 over the "
-            "training data (scikit-learn's digits: row ") in output, output
+    assert (
+        "ga-train: training stopped at epoch 1, micro-batch 5 of 45: its loss or gradient was "
+        "not finite (inf or nan). It held the samples at positions 128-159 of pass 1 over the "
+        "training data (scikit-learn's digits: row "
+    ) in output, output
     (run_dir,) = glob.glob(str(tmp_path / "outputs" / "default" / "*"))
     assert not os.path.exists(os.path.join(run_dir, "result.json"))
     assert not os.path.exists(os.path.join(run_dir, "model.keras"))
@@ -92,13 +111,21 @@ def test_ga_train_stops_on_a_diverging_run_and_names_the_micro_batch(tmp_path):
     # The checkpoint of update 1 is the last one: nothing after the bad micro-batch was saved.
     assert f"The last checkpoint, {run_dir}/checkpoints/ckpt-1, is from before it" in output
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == [
-        "checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index"]
+        "checkpoint",
+        "ckpt-1.data-00000-of-00001",
+        "ckpt-1.index",
+    ]
 
 
 @pytest.mark.slow
 def test_skip_policies_stay_opt_in_and_result_json_is_strict(tmp_path):
-    code, output = ga_train("optimizer.learning_rate=1e30", "epochs=1", "steps_per_epoch=4",
-                            "precision.nonfinite=skip_micro_batch", cwd=tmp_path)
+    code, output = ga_train(
+        "optimizer.learning_rate=1e30",
+        "epochs=1",
+        "steps_per_epoch=4",
+        "precision.nonfinite=skip_micro_batch",
+        cwd=tmp_path,
+    )
     assert code == 0, output
     result = strict(open(os.path.join(run_dir_of(output), "result.json")).read())
     assert result["loss"] is None  # nan in the metrics: null, never NaN

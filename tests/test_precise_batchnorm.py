@@ -6,9 +6,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import MEASURED, _current_test
 
 import gacli
+from helpers import MEASURED, current_test, record
 
 MICRO = 8
 
@@ -44,7 +44,7 @@ def test_statistics_are_the_exact_pooled_moments_of_each_bn_input():
     probe_inputs = keras.Model(model.input, [bn_1.input, bn_2.input])
     # The reference: each BN layer's input in a training-mode forward pass (bn_1 normalising by
     # each micro-batch's own statistics), pooled over all samples in float64.
-    seen = [probe_inputs(x[start:start + MICRO], training=True) for start in range(0, 30, MICRO)]
+    seen = [probe_inputs(x[start : start + MICRO], training=True) for start in range(0, 30, MICRO)]
     for layer in (bn_1, bn_2):  # the reference pass moved them; the recompute must overwrite
         layer.moving_mean.assign(np.full(layer.moving_mean.shape, 5.0))
     samples = gacli.BatchNormStatistics(model).recompute(
@@ -59,7 +59,7 @@ def test_statistics_are_the_exact_pooled_moments_of_each_bn_input():
             np.max(np.abs(layer.moving_mean.numpy() - pooled.mean(0))),
             np.max(np.abs(layer.moving_variance.numpy() - pooled.var(0)) / pooled.var(0)),
         ]
-    MEASURED.setdefault(_current_test["id"] + " (mean, relative variance)", []).extend(differences)
+    MEASURED.setdefault(current_test["id"] + " (mean, relative variance)", []).extend(differences)
     assert max(differences) < 1e-5, differences
     # The data make the between-micro-batch term matter: the mean of the micro-batch variances
     # (weighted by size), which the older way of pooling gives, is well below.
@@ -75,8 +75,16 @@ def train(with_precise_bn, epochs=2):
     model = gacli.GradientAccumulateModel(accum_steps=2, inputs=inputs, outputs=outputs)
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
     callback = gacli.PreciseBatchNorm(x, micro_batches=3, batch_size=MICRO)
-    history = model.fit(x, y, batch_size=MICRO, epochs=epochs, validation_data=(x[:16], y[:16]),
-                        callbacks=[callback] if with_precise_bn else [], verbose=0, shuffle=False)
+    history = model.fit(
+        x,
+        y,
+        batch_size=MICRO,
+        epochs=epochs,
+        validation_data=(x[:16], y[:16]),
+        callbacks=[callback] if with_precise_bn else [],
+        verbose=0,
+        shuffle=False,
+    )
     return model, history.history, callback
 
 
@@ -85,18 +93,21 @@ def training_state(model):
     state = [v.numpy() for v in model.trainable_variables]
     state += [v.numpy() for v in model.optimizer.variables]
     state += [np.asarray(model.micro_step.numpy()), np.asarray(model.optimizer_step.numpy())]
-    state += [layer.seed_generator.state.numpy() for layer in model.layers
-              if isinstance(layer, keras.layers.Dropout)]
+    state += [
+        layer.seed_generator.state.numpy()
+        for layer in model.layers
+        if isinstance(layer, keras.layers.Dropout)
+    ]
     return state
 
 
 def test_precise_bn_leaves_no_trace_on_training_and_validation_sees_it():
     plain, plain_history, _ = train(with_precise_bn=False)
     precise, precise_history, callback = train(with_precise_bn=True)
-    difference = max(float(np.max(np.abs(a - b)))
-                     for a, b in zip(training_state(plain), training_state(precise)))
-    MEASURED.setdefault(_current_test["id"], []).append(difference)
-    assert difference == 0.0
+    difference = max(
+        float(np.max(np.abs(a - b))) for a, b in zip(training_state(plain), training_state(precise))
+    )
+    assert record(difference) == 0.0
     assert plain_history["loss"] == precise_history["loss"]
     moved = [model.get_layer("bn_1").moving_mean.numpy() for model in (precise, plain)]
     assert np.max(np.abs(moved[0] - moved[1])) > 0.05
@@ -104,7 +115,8 @@ def test_precise_bn_leaves_no_trace_on_training_and_validation_sees_it():
     # evaluating now gives the last epoch's val_loss; the plain model's differs.
     val_x, val_y = images(44)[0][:16], images(44)[1][:16]
     assert precise.evaluate(val_x, val_y, batch_size=MICRO, verbose=0) == pytest.approx(
-        precise_history["val_loss"][-1], rel=1e-6)
+        precise_history["val_loss"][-1], rel=1e-6
+    )
     assert abs(plain_history["val_loss"][-1] - precise_history["val_loss"][-1]) > 1e-3
     # A recompute draws no random number anywhere, and gives the same statistics again.
     before = (np.random.get_state()[1].copy(), random.getstate(), training_state(precise))

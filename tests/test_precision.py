@@ -3,9 +3,9 @@
 import keras
 import numpy as np
 import pytest
-from conftest import big_batch_reference, make_data, max_weight_difference, mlp_layers, plain_model
 
 import gacli
+from helpers import big_batch_reference, make_data, max_weight_difference, mlp_layers, plain_model
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness
@@ -82,8 +82,9 @@ def test_p2_nonfinite_micro_batch_policies(policy_name, wrapper):
     assert max_weight_difference(model, reference) <= 1e-5
     if wrapper == "model":  # the counts are in fit()'s logs, for progress bars and TensorBoard
         assert history["loss_scale"] == [2.0**14]
-        counter = {"skip_micro_batch": "skipped_micro_batches",
-                   "skip_window": "skipped_windows"}[policy_name]
+        counter = {"skip_micro_batch": "skipped_micro_batches", "skip_window": "skipped_windows"}[
+            policy_name
+        ]
         assert history[counter] == [1]
     assert float(optimizer.loss_scale.numpy()) == 2.0**14  # halved once, at the overflow
     if policy_name == "skip_micro_batch":
@@ -99,7 +100,10 @@ def test_p2_loss_scale_grows_after_clean_updates():
     x, y = make_data(128)
     model = plain_model()
     optimizer = gacli.GradientAccumulateOptimizer(
-        keras.optimizers.SGD(0.1), accum_steps=2, loss_scaling=True, initial_scale=4.0,
+        keras.optimizers.SGD(0.1),
+        accum_steps=2,
+        loss_scaling=True,
+        initial_scale=4.0,
         dynamic_growth_steps=2,
     )
     model.compile(optimizer=optimizer, loss="mse", auto_scale_loss=False)
@@ -130,7 +134,9 @@ def test_p2_p3_mixed_precision_matches_big_batch_at_rounding_level(policy_name):
         model = gacli.GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=outputs)
         model.compile(
             optimizer=gacli.GradientAccumulateOptimizer(
-                keras.optimizers.SGD(0.1), accum_steps=4, loss_scaling=float16,
+                keras.optimizers.SGD(0.1),
+                accum_steps=4,
+                loss_scaling=float16,
                 initial_scale=256.0,
             ),
             loss="mse",
@@ -155,8 +161,10 @@ def test_p2_p3_mixed_precision_matches_big_batch_at_rounding_level(policy_name):
     accumulation_error = max_weight_difference(gacli_run, policy_run)
     rounding = max_weight_difference(policy_run, float32_run)
     moved = max_weight_difference(float32_run, plain_model())
-    print(f"{policy_name}: accumulation vs big batch {accumulation_error:.2e}, "
-          f"policy vs float32 {rounding:.2e}, weights moved {moved:.2e}")
+    print(
+        f"{policy_name}: accumulation vs big batch {accumulation_error:.2e}, "
+        f"policy vs float32 {rounding:.2e}, weights moved {moved:.2e}"
+    )
     assert moved > 0.05  # the weights really moved (no silent division by the loss scale)
     assert accumulation_error <= 2 * rounding + 1e-6
 
@@ -165,4 +173,5 @@ def _with_batch_size(fit, batch_size):
     def fit_with(x, y, batch_size_=None, **kwargs):
         kwargs.pop("batch_size", None)
         return fit(x, y, batch_size=batch_size, **kwargs)
+
     return fit_with

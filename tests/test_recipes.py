@@ -10,7 +10,8 @@ import os
 from importlib import resources
 
 import pytest
-from test_cli import ga_train, run_dir_of, shipped
+
+from helpers import ga_train, run_dir_of, shipped
 
 # (the arguments after ga-train, the result.json key, the header's words for it, value, margin)
 PROMISES = [
@@ -33,22 +34,28 @@ def promise_text(arguments, words, value, margin):
 
 
 def test_every_recipe_header_states_the_promises_tested_here():
-    promised = {arguments[0][len("config="):-len(".yaml")] for arguments, *_ in PROMISES}
+    promised = {arguments[0][len("config=") : -len(".yaml")] for arguments, *_ in PROMISES}
     assert promised == set(shipped("gacli.recipes"))
     for arguments, _, words, value, margin in PROMISES:
         command, result = promise_text(arguments, words, value, margin)
-        text = header(arguments[0][len("config="):-len(".yaml")])
+        text = header(arguments[0][len("config=") : -len(".yaml")])
         # The command on a line of its own, the promise in the lines after it.
         assert f"# {command}\n" in text + "\n", (command, text)
         assert result in text.split(f"# {command}\n", 1)[1].split("# ga-train ")[0], (result, text)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arguments, key, words, value, margin", [
-    pytest.param(*promise, id=" ".join(promise[0]),
-                 marks=[pytest.mark.distributed] if promise[0][0] in DISTRIBUTED else [])
-    for promise in PROMISES
-])
+@pytest.mark.parametrize(
+    "arguments, key, words, value, margin",
+    [
+        pytest.param(
+            *promise,
+            id=" ".join(promise[0]),
+            marks=[pytest.mark.distributed] if promise[0][0] in DISTRIBUTED else [],
+        )
+        for promise in PROMISES
+    ],
+)
 def test_recipe_run_as_shipped_keeps_its_promise(arguments, key, words, value, margin, tmp_path):
     code, output = ga_train(*arguments, cwd=tmp_path, timeout=900)
     assert code == 0, output

@@ -9,27 +9,13 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
-from conftest import MEASURED
-from test_cli import ga_train, run_dir_of
+
+from helpers import ga_train, record, run_difference, run_dir_of
 
 # The default job, shortened; a checkpoint every 3 updates lands inside epochs (45 micro-batches,
 # 12 updates each), so a kill usually resumes from the middle of an epoch and of a window.
 JOB = ("epochs=3", "progress=plain", "checkpoint_every_updates=3", "accum_steps=4")
-
-
-def final_weights(run_dir):
-    import keras
-
-    import gacli.accumulate_model  # noqa: F401  (registers the classes model.keras refers to)
-
-    return keras.saving.load_model(os.path.join(run_dir, "model.keras")).get_weights()
-
-
-def difference(run_a, run_b):
-    return max(float(np.max(np.abs(a - b)))
-               for a, b in zip(final_weights(run_a), final_weights(run_b)))
 
 
 def start_and_interrupt(cwd, number, arguments=JOB):
@@ -37,8 +23,14 @@ def start_and_interrupt(cwd, number, arguments=JOB):
     command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *arguments]
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     environment.pop("HYDRA_FULL_ERROR", None)
-    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=environment)
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment,
+    )
     deadline = time.time() + 300
     while not glob.glob(os.path.join(cwd, "outputs", "default", "*", "checkpoints", "checkpoint")):
         assert process.poll() is None and time.time() < deadline, process.communicate()[0]
@@ -73,8 +65,7 @@ def test_kill_9_then_resume_equals_uninterrupted_run(tmp_path, uninterrupted):
     # Nothing of the first start is overwritten: Hydra's files of the resumed job go aside.
     assert open(os.path.join(run_dir, ".hydra", "config.yaml")).read() == first_start
     assert glob.glob(os.path.join(run_dir, ".hydra", "resumed-*", "config.yaml"))
-    measured = difference(run_dir, uninterrupted)
-    MEASURED.setdefault("test_kill_9_then_resume", []).append(measured)
+    measured = record(run_difference(run_dir, uninterrupted), "test_kill_9_then_resume")
     assert measured <= 1e-6
 
 
@@ -89,8 +80,7 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, uninterrupt
 
     code, output = ga_train(*JOB, f"resume={run_dir}", cwd=tmp_path)
     assert code == 0, output
-    measured = difference(run_dir, uninterrupted)
-    MEASURED.setdefault("test_sigterm_then_resume", []).append(measured)
+    measured = record(run_difference(run_dir, uninterrupted), "test_sigterm_then_resume")
     assert measured <= 1e-6
 
     # Finished: a later run never writes into it, with or without resume.
@@ -128,8 +118,7 @@ def test_a_checkpoint_after_an_epochs_last_micro_batch_resumes_at_the_next_epoch
     assert _segments((2, 10), 10, 3) == []
     # steps_per_execution not dividing the epoch: one fit() per epoch, so that no compiled call
     # runs into the next epoch's micro-batches.
-    assert _segments((0, 0), 10, 3, per_epoch=True) == [(0, 1, 10, 0), (1, 2, 10, 0),
-                                                         (2, 3, 10, 0)]
+    assert _segments((0, 0), 10, 3, per_epoch=True) == [(0, 1, 10, 0), (1, 2, 10, 0), (2, 3, 10, 0)]
     assert _segments((1, 4), 10, 3, per_epoch=True) == [(1, 2, 6, 4), (2, 3, 10, 0)]
 
 
@@ -141,8 +130,14 @@ def test_an_unfinished_run_is_resumed_with_its_own_settings_only(tmp_path):
     code, output = ga_train(*JOB, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert code == 2 and f"resume={run_dir}" in output, output
     # With other settings: refused, naming the setting.
-    code, output = ga_train("epochs=3", "progress=plain", "checkpoint_every_updates=3",
-                            "accum_steps=8", f"resume={run_dir}", cwd=tmp_path)
+    code, output = ga_train(
+        "epochs=3",
+        "progress=plain",
+        "checkpoint_every_updates=3",
+        "accum_steps=8",
+        f"resume={run_dir}",
+        cwd=tmp_path,
+    )
     assert code == 2 and "accum_steps=4 (now 8)" in output, output
     # resume=true looks for a run of the same command only.
     code, output = ga_train("accum_steps=8", "resume=true", cwd=tmp_path)
@@ -166,8 +161,13 @@ print("GROWTH", peak() - before)
 def test_a_stream_of_many_passes_holds_the_data_once():
     # Each pass over the data is a pipeline of its own; tf.data's default graph rewrites would
     # copy in-memory data into each (ten passes over 16 MB: about +150 MB).
-    done = subprocess.run([sys.executable, "-c", STREAM_MEMORY], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    done = subprocess.run(
+        [sys.executable, "-c", STREAM_MEMORY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
     growth = int(done.stdout.split("GROWTH")[-1])
     assert growth < 3 * 16 * 2**20, done.stdout + done.stderr[-2000:]
 
@@ -176,8 +176,14 @@ def interrupt_after_checkpoints(cwd, count):
     """Start the job, wait for ``count`` checkpoints, SIGTERM it (it saves one more); the run
     directory."""
     command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *JOB]
-    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
     pattern = os.path.join(cwd, "outputs", "default", "*", "checkpoints", "ckpt-*.index")
     deadline = time.time() + 300
     while len(glob.glob(pattern)) < count:
@@ -191,8 +197,10 @@ def interrupt_after_checkpoints(cwd, count):
 
 
 def newest_checkpoint(run_dir):
-    numbers = [int(path.rsplit("ckpt-", 1)[1].split(".")[0])
-               for path in glob.glob(os.path.join(run_dir, "checkpoints", "ckpt-*.index"))]
+    numbers = [
+        int(path.rsplit("ckpt-", 1)[1].split(".")[0])
+        for path in glob.glob(os.path.join(run_dir, "checkpoints", "ckpt-*.index"))
+    ]
     return os.path.join(run_dir, "checkpoints", f"ckpt-{max(numbers)}"), sorted(numbers)
 
 
@@ -221,8 +229,9 @@ DAMAGE = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_resume_goes_on_from_the_newest_intact_checkpoint(damage, interrupted_run, tmp_path,
-                                                          uninterrupted):
+def test_resume_goes_on_from_the_newest_intact_checkpoint(
+    damage, interrupted_run, tmp_path, uninterrupted
+):
     run_dir = str(tmp_path / "run")
     shutil.copytree(interrupted_run, run_dir)
     newest, numbers = newest_checkpoint(run_dir)
@@ -233,12 +242,12 @@ def test_resume_goes_on_from_the_newest_intact_checkpoint(damage, interrupted_ru
     if damage == "truncated-newest":
         assert f"resume: ckpt-{numbers[1]} is damaged" in output, output
         # Set aside, not deleted.
-        assert glob.glob(os.path.join(run_dir, "checkpoints", "damaged-*",
-                                      f"ckpt-{numbers[1]}.index"))
+        assert glob.glob(
+            os.path.join(run_dir, "checkpoints", "damaged-*", f"ckpt-{numbers[1]}.index")
+        )
     assert "starting from the beginning" not in output, output
     assert "resume: from epoch" in output, output
-    measured = difference(run_dir, uninterrupted)
-    MEASURED.setdefault(f"test_resume_after_damage[{damage}]", []).append(measured)
+    measured = record(run_difference(run_dir, uninterrupted), f"test_resume_after_damage[{damage}]")
     assert measured <= 1e-6
 
 
@@ -257,8 +266,9 @@ def test_no_readable_checkpoint_is_a_clear_error_that_deletes_nothing(interrupte
 
 
 @pytest.mark.slow
-def test_resume_true_passes_over_runs_with_nothing_to_resume(interrupted_run, tmp_path,
-                                                             uninterrupted):
+def test_resume_true_passes_over_runs_with_nothing_to_resume(
+    interrupted_run, tmp_path, uninterrupted
+):
     outputs = tmp_path / "outputs" / "default"
     resumable = str(outputs / "2020-01-01_00-00-00-000000")
     shutil.copytree(interrupted_run, resumable)
@@ -277,6 +287,5 @@ def test_resume_true_passes_over_runs_with_nothing_to_resume(interrupted_run, tm
     code, output = ga_train(*JOB, "resume=true", cwd=tmp_path)
     assert code == 0, output
     assert run_dir_of(output) == resumable, output
-    measured = difference(resumable, uninterrupted)
-    MEASURED.setdefault("test_resume_true_passes_over", []).append(measured)
+    measured = record(run_difference(resumable, uninterrupted), "test_resume_true_passes_over")
     assert measured <= 1e-6

@@ -15,15 +15,19 @@ import keras
 import numpy as np
 import pytest
 from rich.console import Console
-from test_cli import event_tags, scalars
-from test_training import compose_config
 
 import gacli.train
 from gacli.run_logging import host_memory_bytes
 from gacli.train import train
+from helpers import compose_config, event_tags, scalars
 
-BATCH_TAGS = ("batch/effective_size", "batch/micro_size", "batch/accum_steps", "batch/replicas",
-              "batch/update_samples")
+BATCH_TAGS = (
+    "batch/effective_size",
+    "batch/micro_size",
+    "batch/accum_steps",
+    "batch/replicas",
+    "batch/update_samples",
+)
 
 
 def npz_run(tmp_path, monkeypatch, samples, *overrides, validation_split=0.0):
@@ -33,31 +37,44 @@ def npz_run(tmp_path, monkeypatch, samples, *overrides, validation_split=0.0):
     np.savez(path, x=rng.normal(size=(samples, 6)), y=rng.integers(0, 3, samples))
     run_dir = str(tmp_path / "run")
     buffer = io.StringIO()
-    monkeypatch.setattr(gacli.train, "make_console",
-                        lambda: Console(file=buffer, force_terminal=False, width=200))
-    train(compose_config("dataset=npz", f"dataset.path={path}",
-                         f"dataset.validation_split={validation_split}", *overrides),
-          run_dir=run_dir)
+    monkeypatch.setattr(
+        gacli.train, "make_console", lambda: Console(file=buffer, force_terminal=False, width=200)
+    )
+    train(
+        compose_config(
+            "dataset=npz",
+            f"dataset.path={path}",
+            f"dataset.validation_split={validation_split}",
+            *overrides,
+        ),
+        run_dir=run_dir,
+    )
     return run_dir, buffer.getvalue()
 
 
 UPDATE_SAMPLES = [
     # 36 samples in micro-batches of 8: 8, 8, 8, 8, 4 an epoch; windows of 2 micro-batches.
     (("micro_batch_size=8", "accum_steps=2"), [16, 16, 4] * 2),
-    (("micro_batch_size=8", "accum_steps=2", "wrapper=optimizer", "partial_window=drop"),
-     [16, 16] * 2),
+    (
+        ("micro_batch_size=8", "accum_steps=2", "wrapper=optimizer", "partial_window=drop"),
+        [16, 16] * 2,
+    ),
     # Windows run across the epoch end; the carried one is applied at the end of training.
-    (("micro_batch_size=8", "accum_steps=2", "wrapper=optimizer", "partial_window=carry"),
-     [16, 16, 4 + 8, 16, 8 + 4]),
+    (
+        ("micro_batch_size=8", "accum_steps=2", "wrapper=optimizer", "partial_window=carry"),
+        [16, 16, 4 + 8, 16, 8 + 4],
+    ),
     # 10, 10, 10, 6: the second window is full length but holds a short micro-batch.
     (("micro_batch_size=10", "accum_steps=2"), [20, 16] * 2),
 ]
 
 
-@pytest.mark.parametrize("overrides, expected", UPDATE_SAMPLES,
-                         ids=["apply", "drop", "carry", "ragged"])
-def test_update_samples_are_the_samples_each_update_took(tmp_path, monkeypatch, overrides,
-                                                         expected):
+@pytest.mark.parametrize(
+    "overrides, expected", UPDATE_SAMPLES, ids=["apply", "drop", "carry", "ragged"]
+)
+def test_update_samples_are_the_samples_each_update_took(
+    tmp_path, monkeypatch, overrides, expected
+):
     run_dir, _ = npz_run(tmp_path, monkeypatch, 36, "epochs=2", *overrides)
     tags, events = event_tags(run_dir)
     assert scalars(events, "batch/update_samples") == expected
@@ -71,7 +88,8 @@ def test_update_samples_are_the_samples_each_update_took(tmp_path, monkeypatch, 
 
 
 def test_throughput_counts_training_calls_only_and_the_console_shows_the_same(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """Validation made 3 s slower and the first call's compile must not reach the throughput;
     the console's samples/s is the event file's mean."""
     pause = 3.0
@@ -83,8 +101,16 @@ def test_throughput_counts_training_calls_only_and_the_console_shows_the_same(
 
     monkeypatch.setattr(keras.Model, "evaluate", slow_evaluate)
     # 48 samples, 12 of them for validation: micro-batches of 8, 8, 8, 8, 4, windows of 2.
-    run_dir, output = npz_run(tmp_path, monkeypatch, 48, "micro_batch_size=8", "accum_steps=2", "epochs=2",
-                              "progress=plain", validation_split=0.25)
+    run_dir, output = npz_run(
+        tmp_path,
+        monkeypatch,
+        48,
+        "micro_batch_size=8",
+        "accum_steps=2",
+        "epochs=2",
+        "progress=plain",
+        validation_split=0.25,
+    )
     tags, events = event_tags(run_dir)
     assert {"val/loss", "time/first_call_seconds"} <= tags
     assert len(scalars(events, "time/first_call_seconds")) == 1
@@ -96,12 +122,18 @@ def test_throughput_counts_training_calls_only_and_the_console_shows_the_same(
         return sum(sizes[index % len(sizes)] for index in range(end))
 
     # The first point's interval is the first call alone: no throughput there.
-    rates = {event.step: value for event, value in zip(
-        events.Tensors("throughput/samples_per_sec"),
-        scalars(events, "throughput/samples_per_sec"))}
+    rates = {
+        event.step: value
+        for event, value in zip(
+            events.Tensors("throughput/samples_per_sec"),
+            scalars(events, "throughput/samples_per_sec"),
+        )
+    }
     assert sorted(rates) == [2, 3, 4, 5, 6]
-    seconds = {step: (samples(micro_steps[step - 1]) - samples(micro_steps[step - 2])) / rate
-               for step, rate in rates.items()}
+    seconds = {
+        step: (samples(micro_steps[step - 1]) - samples(micro_steps[step - 2])) / rate
+        for step, rate in rates.items()
+    }
     # Each interval is one compiled call of a tiny model; with validation in it, one would take
     # the pause and more.
     assert max(seconds.values()) < pause / 3, seconds
@@ -142,7 +174,9 @@ def test_a_job_reports_its_own_peak_not_the_process_s(tmp_path, monkeypatch):
     blob = np.ones(400 * 2**20, dtype=np.uint8)
     del blob
     process_peak = host_memory_bytes()[1]
-    run_dir, _ = npz_run(tmp_path, monkeypatch, 36, "micro_batch_size=8", "accum_steps=2", "epochs=1")
+    run_dir, _ = npz_run(
+        tmp_path, monkeypatch, 36, "micro_batch_size=8", "accum_steps=2", "epochs=1"
+    )
     result = json.load(open(os.path.join(run_dir, "result.json")))
     assert result["host_peak_rss_bytes"] < process_peak - 200 * 2**20
     _, events = event_tags(run_dir)

@@ -8,10 +8,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import make_data, max_weight_difference, plain_model
-from test_exactness import MICRO, K, accumulating_model
 
 import gacli
+from helpers import MICRO, K, accumulating_model, make_data, max_weight_difference, plain_model
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness
@@ -21,7 +20,9 @@ pytestmark = pytest.mark.exactness
 def test_c4_count_params_unchanged_and_save_load_keeps_settings(wrapper, tmp_path):
     x, y = make_data(70)
     model = accumulating_model(
-        lambda: keras.optimizers.Adam(0.01), wrapper, partial_window="drop",
+        lambda: keras.optimizers.Adam(0.01),
+        wrapper,
+        partial_window="drop",
         accumulator_dtype="float64",
     )
     assert model.count_params() == plain_model().count_params()
@@ -136,24 +137,36 @@ ENVIRONMENT = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("saved")
-    saved = subprocess.run([sys.executable, "-c", SAVE_ALL_KINDS, str(folder)],
-                           capture_output=True, text=True, timeout=300, env=ENVIRONMENT)
+    saved = subprocess.run(
+        [sys.executable, "-c", SAVE_ALL_KINDS, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENVIRONMENT,
+    )
     assert saved.returncode == 0, saved.stderr[-3000:]
     return folder
 
 
-@pytest.mark.parametrize("imports", [
-    "import gacli\nimport keras",
-    "import keras\nimport gacli",
-    "import gacli\nimport tensorflow as tf\nkeras = tf.keras",
-    # A gacli module that imports Keras itself, first: the other modules register too.
-    "from gacli.accumulation import GradientAccumulateOptimizer\nimport keras",
-])
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import gacli\nimport keras",
+        "import keras\nimport gacli",
+        "import gacli\nimport tensorflow as tf\nkeras = tf.keras",
+        # A gacli module that imports Keras itself, first: the other modules register too.
+        "from gacli.accumulation import GradientAccumulateOptimizer\nimport keras",
+    ],
+)
 def test_saved_models_load_in_a_new_process_after_import_gacli(imports, saved_models):
     """No other import: gacli's classes are registered when Keras loads."""
-    loaded = subprocess.run([sys.executable, "-c", LOAD.format(imports=imports),
-                             str(saved_models)],
-                            capture_output=True, text=True, timeout=300, env=ENVIRONMENT)
+    loaded = subprocess.run(
+        [sys.executable, "-c", LOAD.format(imports=imports), str(saved_models)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENVIRONMENT,
+    )
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     assert loaded.stdout.split("\n")[:3] == [
         "functional GradientAccumulateModel GradientAccumulateOptimizer",

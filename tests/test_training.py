@@ -7,18 +7,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from hydra import compose, initialize_config_module
-from test_cli import event_tags, scalars
 
-from gacli.config import ConfigError, register_configs
+from gacli.config import ConfigError
 from gacli.train import train
-
-
-def compose_config(*overrides):
-    register_configs()
-    with initialize_config_module("gacli.configs", version_base="1.3"):
-        quiet = [] if any(o.startswith("progress=") for o in overrides) else ["progress=none"]
-        return compose("train", overrides=[*quiet, *overrides])
+from helpers import compose_config, event_tags, scalars
 
 
 def run(tmp_path, *overrides):
@@ -30,18 +22,37 @@ def run(tmp_path, *overrides):
 def test_npz_classification_and_segmentation(tmp_path):
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "cls.npz", x=rng.normal(size=(40, 6)), y=rng.integers(0, 3, 40))
-    run_dir, metrics = run(tmp_path, "dataset=npz", f"dataset.path={tmp_path / 'cls.npz'}",
-                           "dataset.validation_split=0.2", "epochs=1", "micro_batch_size=8",
-                           "accum_steps=2")
+    run_dir, metrics = run(
+        tmp_path,
+        "dataset=npz",
+        f"dataset.path={tmp_path / 'cls.npz'}",
+        "dataset.validation_split=0.2",
+        "epochs=1",
+        "micro_batch_size=8",
+        "accum_steps=2",
+    )
     assert np.isfinite(metrics["loss"])
     result = json.load(open(os.path.join(run_dir, "result.json")))
     assert result["optimizer_step"] == 2  # 32 train samples / (8 x 2)
 
-    np.savez(tmp_path / "seg.npz", images=rng.normal(size=(24, 8, 8, 1)),
-             masks=(rng.random((24, 8, 8, 1)) > 0.5).astype("float32"))
-    _, metrics = run(tmp_path / "seg", "dataset=npz", f"dataset.path={tmp_path / 'seg.npz'}",
-                     "dataset.x_key=images", "dataset.y_key=masks", "model=unet", "model.depth=1",
-                     "model.base_filters=4", "epochs=1", "micro_batch_size=4", "accum_steps=2")
+    np.savez(
+        tmp_path / "seg.npz",
+        images=rng.normal(size=(24, 8, 8, 1)),
+        masks=(rng.random((24, 8, 8, 1)) > 0.5).astype("float32"),
+    )
+    _, metrics = run(
+        tmp_path / "seg",
+        "dataset=npz",
+        f"dataset.path={tmp_path / 'seg.npz'}",
+        "dataset.x_key=images",
+        "dataset.y_key=masks",
+        "model=unet",
+        "model.depth=1",
+        "model.base_filters=4",
+        "epochs=1",
+        "micro_batch_size=4",
+        "accum_steps=2",
+    )
     assert "iou" in metrics
 
 
@@ -56,9 +67,17 @@ def _write_images(root, classes=("cat", "dog"), per_class=6, size=12):
 
 def test_image_folder(tmp_path):
     _write_images(tmp_path / "images")
-    _, metrics = run(tmp_path, "dataset=image_folder", f"dataset.path={tmp_path / 'images'}",
-                     "dataset.image_size=16", "model=cnn", "epochs=1", "micro_batch_size=4",
-                     "accum_steps=2", "dataset.validation_split=0.25")
+    _, metrics = run(
+        tmp_path,
+        "dataset=image_folder",
+        f"dataset.path={tmp_path / 'images'}",
+        "dataset.image_size=16",
+        "model=cnn",
+        "epochs=1",
+        "micro_batch_size=4",
+        "accum_steps=2",
+        "dataset.validation_split=0.25",
+    )
     assert "val_accuracy" in metrics
 
 
@@ -69,21 +88,36 @@ def test_tfrecord(tmp_path):
         for _ in range(20):
             feature = {
                 "image": tf.train.Feature(
-                    float_list=tf.train.FloatList(value=rng.normal(size=16).tolist())),
+                    float_list=tf.train.FloatList(value=rng.normal(size=16).tolist())
+                ),
                 "label": tf.train.Feature(
-                    int64_list=tf.train.Int64List(value=[int(rng.integers(0, 2))])),
+                    int64_list=tf.train.Int64List(value=[int(rng.integers(0, 2))])
+                ),
             }
-            writer.write(tf.train.Example(
-                features=tf.train.Features(feature=feature)).SerializeToString())
-    _, metrics = run(tmp_path, "dataset=tfrecord", f"dataset.path={path}",
-                     "+dataset.features.image.shape=[4,4,1]", "dataset.features.image.shape=[4,4,1]",
-                     "epochs=1", "micro_batch_size=4", "accum_steps=2")
+            writer.write(
+                tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+            )
+    _, metrics = run(
+        tmp_path,
+        "dataset=tfrecord",
+        f"dataset.path={path}",
+        "+dataset.features.image.shape=[4,4,1]",
+        "dataset.features.image.shape=[4,4,1]",
+        "epochs=1",
+        "micro_batch_size=4",
+        "accum_steps=2",
+    )
     assert np.isfinite(metrics["loss"])
 
 
 def test_user_factory_and_keras_applications(tmp_path):
-    run_dir, metrics = run(tmp_path, "model=factory", "model.factory=factories:tiny_classifier",
-                           "epochs=1", "steps_per_epoch=2")
+    run_dir, metrics = run(
+        tmp_path,
+        "model=factory",
+        "model.factory=factories:tiny_classifier",
+        "epochs=1",
+        "steps_per_epoch=2",
+    )
     assert np.isfinite(metrics["loss"])
     with pytest.raises(ConfigError, match="keras.applications.MobileNetV2 cannot take inputs"):
         run(tmp_path / "app", "model=application", "model.name=MobileNetV2", "epochs=1")
@@ -92,10 +126,18 @@ def test_user_factory_and_keras_applications(tmp_path):
 
 
 def test_schedules_count_optimizer_updates_and_are_logged(tmp_path):
-    run_dir, _ = run(tmp_path, "optimizer=sgd", "optimizer.learning_rate=0.1",
-                     "optimizer.schedule=exponential", "optimizer.decay_updates=1",
-                     "optimizer.decay_rate=0.5", "epochs=1", "steps_per_epoch=3",
-                     "micro_batch_size=16", "accum_steps=4")
+    run_dir, _ = run(
+        tmp_path,
+        "optimizer=sgd",
+        "optimizer.learning_rate=0.1",
+        "optimizer.schedule=exponential",
+        "optimizer.decay_updates=1",
+        "optimizer.decay_rate=0.5",
+        "epochs=1",
+        "steps_per_epoch=3",
+        "micro_batch_size=16",
+        "accum_steps=4",
+    )
     _, events = event_tags(run_dir)
     # Logged after updates 1, 2, 3: the schedule at 1, 2, 3 updates (not 4, 8, 12 micro-steps).
     np.testing.assert_allclose(scalars(events, "optimizer/lr"), [0.05, 0.025, 0.0125], rtol=1e-6)
@@ -108,7 +150,8 @@ def test_warmup_then_cosine_in_updates():
 
     schedule = learning_rate_schedule(
         OptimizerConfig(learning_rate=1.0, schedule=Schedule.cosine, warmup_updates=4),
-        effective_batch_size=256, total_updates=14,
+        effective_batch_size=256,
+        total_updates=14,
     )
     values = [float(schedule(step)) for step in (0, 3, 4, 9, 14)]
     np.testing.assert_allclose(values, [0.25, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
@@ -149,17 +192,27 @@ def test_optimizer_wrapper_closes_windows_per_partial_window(tmp_path, partial_w
     """wrapper=optimizer on 36 samples, micro 8, k 2: 5 micro-batches an epoch, 2 epochs."""
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "cls.npz", x=rng.normal(size=(36, 6)), y=rng.integers(0, 3, 36))
-    run_dir, _ = run(tmp_path, "dataset=npz", f"dataset.path={tmp_path / 'cls.npz'}",
-                     "dataset.validation_split=0", "wrapper=optimizer",
-                     f"partial_window={partial_window}", "epochs=2", "micro_batch_size=8",
-                     "accum_steps=2")
+    run_dir, _ = run(
+        tmp_path,
+        "dataset=npz",
+        f"dataset.path={tmp_path / 'cls.npz'}",
+        "dataset.validation_split=0",
+        "wrapper=optimizer",
+        f"partial_window={partial_window}",
+        "epochs=2",
+        "micro_batch_size=8",
+        "accum_steps=2",
+    )
     result = json.load(open(os.path.join(run_dir, "result.json")))
     assert (result["optimizer_step"], result["micro_step"]) == (updates, 10)
 
 
-@pytest.mark.parametrize("terminal, expected", [(True, "micro 8"), (False, "epoch 1/1  update 4/4")])
-def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise(tmp_path, monkeypatch, terminal,
-                                                             expected):
+@pytest.mark.parametrize(
+    "terminal, expected", [(True, "micro 8"), (False, "epoch 1/1  update 4/4")]
+)
+def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise(
+    tmp_path, monkeypatch, terminal, expected
+):
     import io
 
     from rich.console import Console
@@ -167,10 +220,44 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise(tmp_path, monkeypat
     import gacli.train
 
     buffer = io.StringIO()
-    monkeypatch.setattr(gacli.train, "make_console",
-                        lambda: Console(file=buffer, force_terminal=terminal, width=160))
-    train(compose_config("progress=auto", "epochs=1", "steps_per_epoch=4", "accum_steps=2"),
-          run_dir=str(tmp_path / "run"))
+    monkeypatch.setattr(
+        gacli.train,
+        "make_console",
+        lambda: Console(file=buffer, force_terminal=terminal, width=160),
+    )
+    train(
+        compose_config("progress=auto", "epochs=1", "steps_per_epoch=4", "accum_steps=2"),
+        run_dir=str(tmp_path / "run"),
+    )
     output = buffer.getvalue()
     assert expected in output and "samples/s" in output
     assert "effective batch  64 = micro_batch_size 32 x accum_steps 2 x replicas 1" in output
+
+
+def test_train_puts_back_the_callers_precision_policy(tmp_path):
+    """A notebook that set its own policy keeps it after a ga-train job trained in float32."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        run(tmp_path, "epochs=1", "micro_batch_size=64", "accum_steps=2", "checkpoint=false")
+        assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def test_the_job_steps_run_alone(tmp_path):
+    """train()'s steps take what they need and can be run one by one."""
+    from gacli.config import resolve_batch
+    from gacli.data import load_dataset
+    from gacli.train import build_job, plan_schedule
+
+    cfg = compose_config("epochs=2", "micro_batch_size=64", "accum_steps=4")
+    plan = resolve_batch(64, 4, None, 1)
+    data = load_dataset(cfg.dataset, cfg.seed)
+    schedule = plan_schedule(cfg, plan, data.train_size)
+    assert schedule.micro_batches == -(-data.train_size // 64)
+    assert schedule.total_updates == 2 * -(-schedule.micro_batches // 4)
+    job = build_job(cfg, plan, data, schedule, tf.distribute.get_strategy())
+    assert job.accumulator.config.accum_steps == 4
+    assert job.accumulator.config.nonfinite.value == "stop"  # ga-train's default in float32
+    assert job.model.accumulation_config.accum_steps == 4

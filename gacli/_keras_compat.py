@@ -1,0 +1,270 @@
+"""Everything gacli takes from Keras beyond its public API, in one place.
+
+No other gacli module imports ``keras.src`` or reads a private member of a Keras object. Each
+function here says what it reaches for; each workaround of a Keras bug names its upstream issue
+and the Keras versions it is switched on for (``KERAS_VERSION``). When Keras changes one of these
+internals, this is the one file to change.
+"""
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow.trainer import reduce_per_replica
+from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.models import functional
+from keras.src.models.functional import Functional, functional_from_config
+
+# Supported: Keras 3.11 to 3.15 (pyproject.toml). The branches on it are below, each with the
+# upstream change it follows.
+KERAS_VERSION = tuple(int(part) for part in keras.__version__.split(".")[:2])
+
+
+def keras_at_least(major, minor):
+    """Whether the installed Keras is ``major.minor`` or newer."""
+    return KERAS_VERSION >= (major, minor)
+
+
+__all__ = [
+    "KERAS_VERSION",
+    "functional_from_config",
+    "unscale_loss_for_distribution",
+]
+
+
+# -- models ---------------------------------------------------------------------------------------
+def is_functional(model):
+    """Whether ``model`` is a graph of layers (functional or Sequential), not a subclassed one."""
+    return isinstance(model, (Functional, keras.Sequential))
+
+
+_functional_like_lock = threading.Lock()
+
+
+def functional_config(model):
+    """The functional part of ``model``'s config (its layers and their connections).
+
+    ``Functional.get_config`` serialises the graph only for classes whose ``__init__`` looks like
+    ``Functional.__init__``; a subclass with arguments of its own gets a bare ``Model`` config
+    without its layers. Keras 3.15 (keras-team/keras#23036) counts an ``__init__`` that forwards
+    ``*args, **kwargs`` as functional-like, as gacli's models do; before it (Keras <= 3.14, see
+    keras-team/keras#21546) the check is passed here for the span of the call.
+    """
+    if keras_at_least(3, 15):
+        return Functional.get_config(model)
+    with _functional_like_lock:
+        check = functional.functional_like_constructor
+        functional.functional_like_constructor = lambda cls: True
+        try:
+            return Functional.get_config(model)
+        finally:
+            functional.functional_like_constructor = check
+
+
+def autoconvert_optionals(model, step_function):
+    """``step_function`` as Keras' own TensorFlow trainer wraps a step before compiling it.
+
+    Keras 3.12 hands a step ``tf.experimental.Optional`` for the optional inputs a batch leaves out
+    (keras-team/keras#21548 and its follow-ups) and converts them back to None in
+    ``Trainer._autoconvert_optionals``; Keras <= 3.11 has neither, and the step is used as is.
+    """
+    if keras_at_least(3, 12):
+        return model._autoconvert_optionals(step_function)
+    return step_function
+
+
+def compute_training_loss(model, x, y, y_pred, sample_weight):
+    """The compiled loss of one training batch, with the regularisation losses, as
+    ``train_step`` computes it (Keras' ``Trainer._compute_loss``)."""
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+
+
+def loss_tracker(model):
+    """The metric behind ``logs["loss"]``."""
+    return model._loss_tracker
+
+
+def call_has_training_arg(model):
+    return model._call_has_training_arg
+
+
+def sublayers(model, include_self=False):
+    """Every layer inside ``model``, nested ones included (and the model, ``include_self``)."""
+    return list(model._flatten_layers(include_self=include_self))
+
+
+def batchnorm_reduction_axes(layer):
+    """The axes a BatchNormalization layer takes its moments over."""
+    return layer._reduction_axes
+
+
+def loss_from_function(function, reduction):
+    """A ``keras.losses.Loss`` that calls ``function(y_true, y_pred)`` with ``reduction`` (Keras
+    exports no public class for this)."""
+    return LossFunctionWrapper(
+        function, reduction=reduction, name=getattr(function, "__name__", None)
+    )
+
+
+# -- optimizers -----------------------------------------------------------------------------------
+def clip_gradients(optimizer, grads):
+    """``grads`` clipped by the optimizer's clipnorm / global_clipnorm / clipvalue."""
+    return optimizer._clip_gradients(grads)
+
+
+def current_learning_rate(optimizer):
+    return optimizer._get_current_learning_rate()
+
+
+def optimizer_strategy(optimizer):
+    """The tf.distribute strategy the optimizer was created under."""
+    return optimizer._distribution_strategy
+
+
+def track_variable(optimizer, variable):
+    """Make ``variable`` part of the optimizer's state: saved, restored, in ``variables``."""
+    optimizer._track_variable(variable)
+
+
+def own_variables(optimizer):
+    """The variables the optimizer itself created (not those of an optimizer it wraps)."""
+    return optimizer._variables
+
+
+def built_variables(optimizer):
+    """The trainable variables the optimizer was built for, in build order."""
+    return optimizer._trainable_variables
+
+
+def variable_index(optimizer, variable):
+    """The position of ``variable`` in :func:`built_variables`."""
+    return optimizer._get_variable_index(variable)
+
+
+@contextlib.contextmanager
+def without_own_clipping(optimizer):
+    """Inside, ``optimizer.apply`` leaves gradients unclipped: for gradients already clipped
+    where Keras cannot, over all replicas at once. Keras has no argument for this, so the three
+    settings are set aside for the span of a trace and put back after it."""
+    names = ("clipnorm", "global_clipnorm", "clipvalue")
+    saved = {name: getattr(optimizer, name, None) for name in names}
+    try:
+        for name in names:
+            setattr(optimizer, name, None)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(optimizer, name, value)
+
+
+# -- tf.distribute --------------------------------------------------------------------------------
+def in_multi_worker_mode(strategy):
+    """Whether a MultiWorkerMirroredStrategy really spans several processes."""
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
+        strategy.extended._in_multi_worker_mode()
+    )
+
+
+# -- workarounds of Keras bugs, in a mixin for the model wrappers ---------------------------------
+def reducible_logs(logs, strategy):
+    """Logs that Keras can average over workers (keras-team/keras#20585).
+
+    Across workers Keras averages a step's logs with ``strategy.reduce("MEAN", value, axis=0)``,
+    which fails on the scalars every step returns; as vectors of one they average to the same
+    scalar. One process keeps its scalars.
+    """
+    if not in_multi_worker_mode(strategy):
+        return logs
+    return tf.nest.map_structure(
+        lambda value: tf.reshape(value, [1]) if getattr(value, "shape", None) == () else value,
+        logs,
+    )
+
+
+class KerasWorkarounds:
+    """Overrides of Keras trainer internals that route around Keras bugs; mixed into the model
+    wrappers before ``keras.Model``."""
+
+    def test_step(self, data):
+        return reducible_logs(super().test_step(data), self.distribute_strategy)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # keras-team/keras#20585: Keras builds the model from one batch before fit/evaluate under
+        # a strategy, averaging the per-replica batches with strategy.reduce, which
+        # MultiWorkerMirroredStrategy cannot do eagerly for an input batch. Only the batch's
+        # shapes matter here, so the first local replica's batch builds the model just as well.
+        strategy = self._distribute_strategy
+        if strategy is None or iterator is None:
+            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        for _, _, batches in iterator:
+            batch = next(batches)
+            data_batch = tf.nest.map_structure(
+                lambda value: (
+                    strategy.experimental_local_results(value)[0]
+                    if isinstance(value, tf.distribute.DistributedValues)
+                    else value
+                ),
+                batch,
+            )
+            break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def _make_function(self, step_function):
+        # Keras runs steps_per_execution > 1 steps in a tf.while_loop whose body puts each step
+        # in a tf.cond; with several replicas in sync that graph fails when it runs ("You must
+        # feed a value for placeholder tensor 'while/body/.../Placeholder_1'", seen on Keras 3.15
+        # with or without accumulation; no upstream issue filed). The same loop without the
+        # tf.cond (its condition already checks that data is left) runs, for training and
+        # validation alike.
+        strategy = self.distribute_strategy
+        if (
+            self.steps_per_execution == 1
+            or self.run_eagerly
+            or (strategy.num_replicas_in_sync == 1)
+        ):
+            return super()._make_function(step_function)
+        return _several_steps_function(self, step_function, self.steps_per_execution)
+
+
+def _several_steps_function(model, step_function, steps):
+    """``steps`` distributed steps a call, in a while loop without a cond in its body."""
+    strategy = model.distribute_strategy
+
+    def one_step(data):
+        outputs = strategy.run(step_function, args=(data,))
+        return reduce_per_replica(outputs, strategy, reduction="auto")
+
+    one_step = autoconvert_optionals(
+        model, tf.function(one_step, reduce_retracing=True, jit_compile=model.jit_compile)
+    )
+
+    @tf.function(reduce_retracing=True)
+    def several_steps(iterator):
+        # The outputs' structure is known once the body is traced (as in Keras' own loop).
+        none_yet = tf.experimental.Optional.empty(None)
+
+        def data_left(step, outputs, inputs):
+            return tf.logical_and(step < steps, inputs.has_value())
+
+        def body(step, outputs, inputs):
+            outputs = tf.experimental.Optional.from_value(one_step(inputs.get_value()))
+            none_yet._element_spec = outputs.element_spec
+            inputs = tf.cond(step + 1 < steps, iterator.get_next_as_optional, lambda: inputs)
+            return step + 1, outputs, inputs
+
+        _, outputs, _ = tf.while_loop(
+            data_left, body, [tf.constant(0), none_yet, iterator.get_next_as_optional()]
+        )
+        outputs._element_spec = none_yet.element_spec
+        return outputs
+
+    def function(iterator):
+        outputs = several_steps(iterator)
+        if not outputs.has_value():
+            raise StopIteration
+        return outputs.get_value()
+
+    return function

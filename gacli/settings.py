@@ -1,0 +1,185 @@
+"""``AccumulationConfig``: every accumulation setting, declared and validated once.
+
+Both model wrappers, ``wrap_model``, ``GradientAccumulateOptimizer`` and ``ga-train`` build one
+and read their settings from it; ``get_config`` of each writes :meth:`AccumulationConfig.to_dict`
+and ``from_config`` reads it back. No TensorFlow import here.
+"""
+
+import dataclasses
+import inspect
+import numbers
+
+from gacli.options import LossNormalization, NonFinite, PartialWindow, Reduction, parse_option
+
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def validate_accum_steps(accum_steps):
+    """Return ``accum_steps`` as an int >= 1, or raise a ValueError that says what to pass."""
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
+        raise ValueError(
+            f"accum_steps={accum_steps!r} must be a whole number >= 1 (the number of micro-batches "
+            "summed into one optimizer update), e.g. accum_steps=4."
+        )
+    accum_steps = int(accum_steps)
+    if accum_steps < 1:
+        raise ValueError(
+            f"accum_steps={accum_steps} must be >= 1 (the number of micro-batches summed into one "
+            "optimizer update); use accum_steps=1 to train without accumulation."
+        )
+    return accum_steps
+
+
+def _positive(value, name, example):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{name}={value!r} must be a number > 0, e.g. {name}={example}.")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulationConfig:
+    """How gradients are accumulated.
+
+    Args:
+        accum_steps: micro-batches per optimizer update (>= 1).
+        reduction: ``"mean"`` (the big batch's gradient) or ``"sum"`` (the older package's SUM).
+        use_agc: adaptive gradient clipping of the window's gradient.
+        clip_factor: AGC's largest ratio of unit gradient norm to unit parameter norm.
+        eps: AGC's floor on the parameter norm.
+        partial_window: ``"apply"``, ``"drop"`` or ``"carry"``: a window that is not full at an
+            epoch's end.
+        accumulator_dtype: dtype of the gradient sums (float32 whatever the compute dtype).
+        loss_scaling: dynamic loss scaling for float16. ``None``: on under the
+            ``mixed_float16`` policy (the model's; for the optimizer, the global policy when it is
+            created).
+        initial_scale: the first loss scale.
+        dynamic_growth_steps: updates without an overflow after which the scale doubles.
+        nonfinite: ``"stop"``, ``"skip_micro_batch"`` or ``"skip_window"``: a micro-batch whose
+            gradient holds an inf or nan. ``None``: ``skip_micro_batch`` with loss scaling,
+            otherwise unchecked.
+        loss_normalization: ``"batch"`` or ``"window_weights"`` (model wrappers only): what the
+            window's loss is divided by.
+        noise_scale: measure the gradient noise scale from the micro-batches
+            (:class:`gacli.window.NoiseScale`): one squared norm per micro-batch.
+        noise_scale_decay: the decay of its moving averages, in windows.
+    """
+
+    accum_steps: int = 1
+    reduction: Reduction = Reduction.mean
+    use_agc: bool = False
+    clip_factor: float = 0.01
+    eps: float = 1e-3
+    partial_window: PartialWindow = PartialWindow.apply
+    accumulator_dtype: str = "float32"
+    loss_scaling: bool | None = None
+    initial_scale: float = 2.0**15
+    dynamic_growth_steps: int = 2000
+    nonfinite: NonFinite | None = None
+    loss_normalization: LossNormalization = LossNormalization.batch
+    noise_scale: bool = False
+    noise_scale_decay: float = 0.95
+
+    def __post_init__(self):
+        def set_(name, value):
+            object.__setattr__(self, name, value)
+
+        set_("accum_steps", validate_accum_steps(self.accum_steps))
+        set_("reduction", parse_option(Reduction, self.reduction, "reduction"))
+        set_("partial_window", parse_option(PartialWindow, self.partial_window, "partial_window"))
+        set_(
+            "loss_normalization",
+            parse_option(LossNormalization, self.loss_normalization, "loss_normalization"),
+        )
+        if self.nonfinite is not None:
+            set_("nonfinite", parse_option(NonFinite, self.nonfinite, "nonfinite"))
+        set_("use_agc", bool(self.use_agc))
+        set_("clip_factor", float(_positive(self.clip_factor, "clip_factor", 0.01)))
+        set_("eps", float(_positive(self.eps, "eps", 1e-3)))
+        set_("initial_scale", float(_positive(self.initial_scale, "initial_scale", 2.0**15)))
+        steps = self.dynamic_growth_steps
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise ValueError(
+                f"dynamic_growth_steps={steps!r} must be a whole number >= 1, e.g. 2000."
+            )
+        set_("dynamic_growth_steps", int(steps))
+        if self.loss_scaling is not None:
+            set_("loss_scaling", bool(self.loss_scaling))
+        dtype = str(getattr(self.accumulator_dtype, "name", self.accumulator_dtype))
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"accumulator_dtype={self.accumulator_dtype!r} is not a float dtype; use "
+                "accumulator_dtype='float32' (the default)."
+            )
+        set_("accumulator_dtype", dtype)
+        set_("noise_scale", bool(self.noise_scale))
+        decay = self.noise_scale_decay
+        if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 <= decay < 1:
+            raise ValueError(
+                f"noise_scale_decay={decay!r} must be in [0, 1), e.g. noise_scale_decay=0.95."
+            )
+        set_("noise_scale_decay", float(decay))
+        if self.noise_scale and self.reduction is Reduction.sum:
+            raise ValueError(
+                "noise_scale compares mean gradients of two batch sizes; reduction='sum' gives "
+                "none. Use reduction='mean' (the default) with noise_scale=True."
+            )
+        if self.reduction is Reduction.sum and (
+            self.loss_normalization is not LossNormalization.batch
+        ):
+            raise ValueError(
+                "loss_normalization='window_weights' divides the window's loss by its weight; "
+                "reduction='sum' adds micro-batch gradients as they are. Use one of them."
+            )
+
+    @classmethod
+    def fields(cls):
+        """The setting names, in declaration order."""
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, config=None, **settings):
+        """``config`` (an AccumulationConfig or its dict) with ``settings`` set on top; unknown
+        names raise a TypeError that lists the known ones."""
+        unknown = sorted(set(settings) - set(cls.fields()))
+        if unknown:
+            raise TypeError(
+                f"unknown accumulation settings {', '.join(unknown)}; the settings are "
+                f"{', '.join(cls.fields())}."
+            )
+        if config is None:
+            return cls(**settings)
+        if isinstance(config, dict):
+            config = cls(**config)
+        return dataclasses.replace(config, **settings) if settings else config
+
+    def replace(self, **settings):
+        return dataclasses.replace(self, **settings)
+
+    def to_dict(self):
+        """Plain values (strings for the choices): what ``get_config`` stores."""
+        return {
+            name: getattr(value, "value", value)
+            for name, value in ((name, getattr(self, name)) for name in self.fields())
+        }
+
+    @property
+    def checks_nonfinite(self):
+        return self.nonfinite is not None
+
+
+def shows_config_defaults(function):
+    """Decorator: ``function``'s signature shows :class:`AccumulationConfig`'s default for each
+    setting it takes as ``None`` (which means "the default"), so ``help()`` and editors show
+    ``accum_steps=1`` while the value itself is declared only in the dataclass."""
+    signature = inspect.signature(function)
+    defaults = {field.name: field.default for field in dataclasses.fields(AccumulationConfig)}
+    parameters = [
+        parameter.replace(
+            default=getattr(defaults[parameter.name], "value", defaults[parameter.name])
+        )
+        if parameter.name in defaults and parameter.default is None
+        else parameter
+        for parameter in signature.parameters.values()
+    ]
+    function.__signature__ = signature.replace(parameters=parameters)
+    return function

@@ -1,0 +1,315 @@
+"""The parts of accumulation, each with one job and its own state, none of them aware of Keras'
+trainer (in the manner of optax's ``MultiSteps``, a transformation of gradients and state):
+
+- :class:`Window` sums the micro-batch gradients of the open window with their weights, and
+  gives back the window's gradient;
+- :class:`LossScale` is dynamic loss scaling for float16 (the one loss-scaling path of gacli);
+- :class:`NonFiniteGuard` keeps inf and nan out of the window per the ``nonfinite`` policy.
+
+Every part keeps its state in variables made by the ``add_state(name, shape, dtype, per_replica,
+initial_value)`` callable it is built with, so the state is checkpointed with the optimizer and
+a restore, a retrace or a second ``fit()`` finds it as it was. Nothing is learnt while tracing.
+:class:`~gacli.accumulation.GradientAccumulateOptimizer` composes them and adds what is Keras' and
+tf.distribute's.
+"""
+
+import tensorflow as tf
+
+from gacli.options import NonFinite, Reduction
+
+
+def _value(variable):
+    """A variable's value; read in cross-replica context, a per-replica one comes summed."""
+    return tf.convert_to_tensor(variable)
+
+
+class Window:
+    """The open window: a float accumulator per trainable variable, and what it holds.
+
+    State (per replica unless said): the accumulators; ``window_weight``, the summed sample
+    counts of micro-batches that gave one; ``window_unweighted``, micro-batches that gave none
+    (their gradients come already divided by the replica count, as Keras' ``train_step`` makes
+    them); ``window_micro_steps`` and ``micro_step`` (the same on every replica); and
+    ``gradient_mask``, which variables the last micro-batch had a gradient for.
+    """
+
+    def __init__(self, accum_steps, reduction, dtype):
+        self.accum_steps = accum_steps
+        self.reduction = reduction
+        self.dtype = dtype
+
+    def build(self, add_state, variables):
+        self.micro_step = add_state("micro_step", dtype="int64")
+        self.window_micro_steps = add_state("window_micro_steps", dtype="int64")
+        self.window_weight = add_state("window_weight", per_replica=True)
+        self.window_unweighted = add_state("window_unweighted", per_replica=True)
+        # 1 for each variable that received a gradient: a variable that gets none must not be
+        # "updated" with a zero gradient, which would still move it under Adam or momentum.
+        self.gradient_mask = add_state(
+            "gradient_mask", shape=(len(variables),), dtype="int32", initial_value=1
+        )
+        self.accumulators = [
+            add_state(
+                f"{variable.path.replace('/', '_')}_accumulator"
+                if hasattr(variable, "path")
+                else f"accumulator_{index}",
+                shape=variable.shape,
+                dtype=self.dtype,
+                per_replica=True,
+            )
+            for index, variable in enumerate(variables)
+        ]
+
+    def add(self, gradients, factor, keep, squared_norm=False):
+        """Add one micro-batch. ``gradients``: {variable index: gradient}; ``factor``: what each
+        gradient is multiplied by first (None: 1); ``keep``: a boolean tensor, False to leave the
+        micro-batch out (None: always keep). With ``squared_norm``, returns the squared norm of
+        what was added (before ``keep``), taken from the same products."""
+        mask = [0] * len(self.accumulators)
+        squares = []
+        for index, gradient in gradients.items():
+            mask[index] = 1
+            accumulator = self.accumulators[index]
+            # Sparse (IndexedSlices) gradients are densified here; contract row E5 is open.
+            contribution = tf.cast(tf.convert_to_tensor(gradient), accumulator.dtype)
+            if factor is not None:
+                contribution = contribution * tf.cast(factor, accumulator.dtype)
+            if squared_norm:
+                squares.append(tf.reduce_sum(tf.square(tf.cast(contribution, "float32"))))
+            if keep is not None:
+                # where, not multiplication: 0 * inf is nan.
+                contribution = tf.where(keep, contribution, tf.zeros_like(contribution))
+            accumulator.assign_add(contribution)
+        self.gradient_mask.assign(tf.constant(mask, "int32"))
+        return tf.add_n(squares) if squared_norm and squares else None
+
+    def count(self, sample_count, kept):
+        """Count one micro-batch: its samples (None: unweighted), times ``kept`` (1 or 0)."""
+        if sample_count is None:
+            self.window_unweighted.assign_add(kept)
+        else:
+            self.window_weight.assign_add(tf.cast(sample_count, "float32") * kept)
+        self.window_micro_steps.assign_add(1)
+        self.micro_step.assign_add(1)
+
+    def closes(self):
+        return self.window_micro_steps >= self.accum_steps
+
+    def held(self):
+        """More than 0 when the window holds a micro-batch that was kept."""
+        return _value(self.window_weight) + _value(self.window_unweighted)
+
+    def denominator(self, replicas):
+        """What the summed gradient is divided by: the window's samples, counted over every
+        replica when read in cross-replica context (contract D3), with an unweighted
+        micro-batch's gradient counting once over all replicas."""
+        if self.reduction is Reduction.sum:
+            return tf.constant(1.0)
+        return _value(self.window_weight) + _value(self.window_unweighted) / float(replicas)
+
+    def gradients(self, indices, variables, denominator):
+        """The window's gradient for the variables at ``indices``, in their dtypes."""
+        return [
+            # divide_no_nan: a replica whose micro-batches were all skipped holds zeros, not 0/0.
+            tf.cast(
+                tf.math.divide_no_nan(
+                    _value(self.accumulators[index]),
+                    tf.cast(denominator, self.accumulators[index].dtype),
+                ),
+                variable.dtype,
+            )
+            for index, variable in zip(indices, variables)
+        ]
+
+    def reset(self):
+        for accumulator in self.accumulators:
+            accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
+        self.window_weight.assign(0.0)
+        self.window_unweighted.assign(0.0)
+        self.window_micro_steps.assign(0)
+
+
+class LossScale:
+    """Dynamic loss scaling: the loss is multiplied by ``loss_scale`` before the backward pass,
+    each micro-batch's gradient divided by the scale it was computed with; an overflow on any
+    replica halves the scale at once, ``growth_steps`` updates without one double it."""
+
+    def __init__(self, initial_scale, dynamic_growth_steps):
+        self.initial_scale = initial_scale
+        self.dynamic_growth_steps = dynamic_growth_steps
+        self.built = False
+
+    def build(self, add_state):
+        self.loss_scale = add_state("loss_scale", initial_value=self.initial_scale)
+        self.growth_steps = add_state("growth_steps", dtype="int64")
+        self.built = True
+
+    def scale(self, loss):
+        scale = self.loss_scale if self.built else self.initial_scale
+        return loss * tf.cast(scale, loss.dtype)
+
+    def inverse(self):
+        return 1.0 / tf.cast(self.loss_scale, "float32")
+
+    def after_micro_step(self, overflow):
+        """In cross-replica context: ``overflow`` is True when any replica overflowed."""
+        self.loss_scale.assign(
+            tf.where(overflow, tf.maximum(self.loss_scale / 2.0, 1.0), self.loss_scale)
+        )
+        self.growth_steps.assign(
+            tf.where(overflow, tf.zeros_like(self.growth_steps), self.growth_steps)
+        )
+
+    def after_update(self):
+        growth = self.growth_steps + 1
+        grow = growth >= self.dynamic_growth_steps
+        self.loss_scale.assign(tf.where(grow, self.loss_scale * 2.0, self.loss_scale))
+        self.growth_steps.assign(tf.where(grow, tf.zeros_like(growth), growth))
+
+
+class NonFiniteGuard:
+    """What a micro-batch with an inf or nan gradient does (``policy``, a :class:`NonFinite`).
+
+    State: per replica, ``step_nonfinite`` (the last micro-batch overflowed) and
+    ``window_nonfinite`` (the open window holds one, ``skip_window``); in cross-replica context,
+    the counts ``skipped_micro_batches`` and ``skipped_windows``, and for ``stop``,
+    ``halted_at_micro_step``: 0 while healthy, then the micro_step (from 1) of the first bad one.
+    """
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def build(self, add_state):
+        self.step_nonfinite = add_state("step_nonfinite", per_replica=True)
+        self.window_nonfinite = add_state("window_nonfinite", per_replica=True)
+        self.skipped_micro_batches = add_state("skipped_micro_batches", dtype="int64")
+        self.skipped_windows = add_state("skipped_windows", dtype="int64")
+        if self.policy is NonFinite.stop:
+            self.halted_at = add_state("halted_at_micro_step", dtype="int64")
+
+    def keep(self, gradients):
+        """A boolean tensor: the micro-batch's gradients are all finite (and, under ``stop``,
+        training has not halted: every micro-batch after the first bad one is left out)."""
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients])
+        if self.policy is NonFinite.stop:
+            finite = tf.logical_and(finite, _value(self.halted_at) == 0)
+        return finite
+
+    def record(self, keep):
+        """Note this replica's micro-batch; returns what its count is multiplied by."""
+        nonfinite = 1.0 - tf.cast(keep, "float32")
+        self.step_nonfinite.assign(nonfinite)
+        if self.policy is NonFinite.skip_window:
+            self.window_nonfinite.assign_add(nonfinite)
+            return tf.constant(1.0)
+        return 1.0 - nonfinite
+
+    def after_micro_step(self, micro_step):
+        """In cross-replica context, once a micro-step: halt and count."""
+        bad_replicas = _value(self.step_nonfinite)
+        if self.policy is NonFinite.stop:
+            first_bad = tf.logical_and(self.halted_at == 0, bad_replicas > 0)
+            self.halted_at.assign(tf.where(first_bad, micro_step, self.halted_at))
+        if self.policy is not NonFinite.skip_window:
+            # Per-replica flags summed on read: how many replicas dropped this micro-step.
+            self.skipped_micro_batches.assign_add(tf.cast(bad_replicas, "int64"))
+        return bad_replicas > 0
+
+    def healthy(self, window_count):
+        """In cross-replica context: the window holds something, and nothing non-finite under
+        ``skip_window``. A full window that is not healthy is skipped."""
+        return tf.logical_and(_value(self.window_nonfinite) == 0, window_count > 0)
+
+    def running(self):
+        """False once ``stop`` has halted training: no window is applied from then on."""
+        if self.policy is NonFinite.stop:
+            return self.halted_at == 0
+        return tf.constant(True)
+
+    def skip_window(self):
+        self.skipped_windows.assign_add(1)
+
+    def reset(self):
+        self.window_nonfinite.assign(0.0)
+
+
+class NoiseScale:
+    """The gradient noise scale, measured from the micro-batches at the cost of one squared norm
+    per micro-batch (McCandlish, Kaplan, Amodei et al., "An Empirical Model of Large-Batch
+    Training", 2018, appendix A).
+
+    A batch of ``b`` samples drawn from the data has ``E|g_b|^2 = |G|^2 + tr(Sigma) / b``. Each
+    window gives that at two sizes: every micro-batch on every replica (``b_i`` samples, its
+    own count, so ragged ones are exact) and the whole window (``B`` samples over all
+    replicas). With ``m`` the mean of ``|g_i|^2`` and ``h`` the mean of ``1 / b_i``:
+
+        tr(Sigma) = (m - |G_B|^2) / (h - 1/B),   |G|^2 = (|G_B|^2 h - m / B) / (h - 1/B)
+
+    (with equal micro-batches, the paper's two formulas). ``B_simple = tr(Sigma) / |G|^2`` is
+    the batch size beyond which larger batches pay off less and less. Each window's raw estimates
+    are kept in ``gns_grad_sq_raw`` / ``gns_trace_raw``; exponential moving averages of both
+    (``decay``, bias-corrected) and their ratio ``noise_scale()`` smooth them, as the paper does.
+    Micro-batches without a sample count, or a window holding any, give no estimate.
+    """
+
+    def __init__(self, decay):
+        self.decay = decay
+
+    def build(self, add_state):
+        # Per replica: sums over this replica's micro-batches of the window.
+        self.small_sq = add_state("gns_small_sq", per_replica=True)
+        self.small_count = add_state("gns_small_count", per_replica=True)
+        self.small_inverse = add_state("gns_small_inverse_size", per_replica=True)
+        # Set in cross-replica context, once a window.
+        self.grad_sq_raw = add_state("gns_grad_sq_raw")
+        self.trace_raw = add_state("gns_trace_raw")
+        self.grad_sq_average = add_state("gns_grad_sq")
+        self.trace_average = add_state("gns_trace_cov")
+        self.average_weight = add_state("gns_average_weight")
+        self.windows = add_state("gns_windows", dtype="int64")
+
+    def observe(self, squared_norm, sample_count, kept):
+        """One micro-batch on this replica: ``squared_norm`` is ``|g_i|^2`` of its mean-loss
+        gradient, ``kept`` a boolean tensor (False: left out)."""
+        count = tf.cast(sample_count, "float32")
+        kept = tf.logical_and(kept, count > 0)
+        self.small_sq.assign_add(tf.where(kept, squared_norm, 0.0))
+        self.small_count.assign_add(tf.where(kept, 1.0, 0.0))
+        self.small_inverse.assign_add(tf.where(kept, 1.0 / tf.maximum(count, 1.0), 0.0))
+
+    def update(self, big_squared_norm, big_count, unweighted):
+        """In cross-replica context, as a window is applied: ``big_squared_norm`` is
+        ``|G_B|^2`` of its gradient, ``big_count`` its samples over all replicas, ``unweighted``
+        the micro-batches in it that gave no count."""
+        count = _value(self.small_count)
+        mean_sq = _value(self.small_sq) / tf.maximum(count, 1.0)
+        mean_inverse = _value(self.small_inverse) / tf.maximum(count, 1.0)
+        spread = mean_inverse - 1.0 / tf.maximum(big_count, 1.0)
+        # Two sizes are needed: a window of one micro-batch on one replica says nothing.
+        valid = (count > 0) & (big_count > 0) & (unweighted == 0) & (spread > 1e-9 * mean_inverse)
+        spread = tf.where(valid, spread, 1.0)
+        trace = (mean_sq - big_squared_norm) / spread
+        grad_sq = (big_squared_norm * mean_inverse - mean_sq / tf.maximum(big_count, 1.0)) / spread
+        decay = self.decay
+
+        def moved(average, value):
+            return tf.where(valid, decay * average + (1.0 - decay) * value, average)
+
+        self.grad_sq_raw.assign(tf.where(valid, grad_sq, self.grad_sq_raw))
+        self.trace_raw.assign(tf.where(valid, trace, self.trace_raw))
+        self.grad_sq_average.assign(moved(self.grad_sq_average, grad_sq))
+        self.trace_average.assign(moved(self.trace_average, trace))
+        self.average_weight.assign(moved(self.average_weight, 1.0))
+        self.windows.assign_add(tf.cast(valid, "int64"))
+
+    def estimates(self):
+        """(|G|^2, tr(Sigma), B_simple), smoothed; zeros before the first estimate."""
+        weight = tf.maximum(_value(self.average_weight), 1e-12)
+        grad_sq = _value(self.grad_sq_average) / weight
+        trace = _value(self.trace_average) / weight
+        return grad_sq, trace, tf.math.divide_no_nan(trace, grad_sq)
+
+    def reset(self):
+        self.small_sq.assign(0.0)
+        self.small_count.assign(0.0)
+        self.small_inverse.assign(0.0)

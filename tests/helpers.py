@@ -1,0 +1,315 @@
+"""What the test modules and the scripts they start share: tiny data and models, big-batch
+references (plain Keras, and AGC written in NumPy), the record of measured differences, and
+ga-train run as a user runs it.
+
+Imported as ``helpers``: pytest puts ``tests/`` on ``sys.path`` (``pythonpath`` in
+pyproject.toml), and a script run as ``python tests/<script>.py`` has its own folder there.
+``gacli`` is always the installed package. No test module imports another.
+"""
+
+import glob
+import os
+import subprocess
+import sys
+from importlib import resources
+
+import keras
+import numpy as np
+import tensorflow as tf
+from hydra import compose, initialize_config_module
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util.tensor_util import make_ndarray
+
+import gacli
+from gacli.config import register_configs
+
+# Every weight difference a test measures, by test: conftest prints them at the end of the run,
+# so the numbers behind each contract row are visible, not just "passed".
+MEASURED = {}
+# The running test's id (conftest's autouse fixture sets it): where record() files a number.
+current_test = {"id": None}
+
+
+def record(value, label=None):
+    """File ``value`` under ``label`` (default: the running test) and return it."""
+    MEASURED.setdefault(label or current_test["id"], []).append(value)
+    return value
+
+
+def weights_difference(weights_a, weights_b):
+    """Largest absolute difference between two lists of weights of the same shapes."""
+    assert [np.shape(a) for a in weights_a] == [np.shape(b) for b in weights_b]
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b))
+
+
+def max_weight_difference(model_a, model_b):
+    """Largest absolute difference between the two models' weights, recorded."""
+    return record(weights_difference(model_a.get_weights(), model_b.get_weights()))
+
+
+# A tiny regression problem and its MLP.
+FEATURES = 4
+MICRO, K = 16, 4  # the exactness tests' micro-batch size and accum_steps
+
+
+def make_data(num_samples=70, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_samples, FEATURES)).astype("float32")
+    y = x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(num_samples, 1))
+    return x, y.astype("float32")
+
+
+def mlp_layers(seed=0):
+    """Symbolic inputs/outputs of a small MLP with deterministic initial weights."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(1)(hidden)
+    return inputs, outputs
+
+
+def plain_model(seed=0):
+    inputs, outputs = mlp_layers(seed)
+    return keras.Model(inputs, outputs)
+
+
+def accumulating_model(make_optimizer, wrapper, accum_steps=K, seed=0, **accumulation):
+    """The same MLP trained by either wrapper: model-based or optimizer-based."""
+    if wrapper == "model":
+        inputs, outputs = mlp_layers(seed)
+        model = gacli.GradientAccumulateModel(
+            accum_steps=accum_steps, inputs=inputs, outputs=outputs, **accumulation
+        )
+        model.compile(optimizer=make_optimizer(), loss="mse")
+    else:
+        model = plain_model(seed)
+        model.compile(
+            optimizer=gacli.GradientAccumulateOptimizer(
+                make_optimizer(), accum_steps=accum_steps, **accumulation
+            ),
+            loss="mse",
+        )
+    return model
+
+
+OPTIMIZERS = {
+    "sgd": (lambda: keras.optimizers.SGD(0.1), 1e-6),
+    "momentum": (lambda: keras.optimizers.SGD(0.1, momentum=0.9), 1e-6),
+    "adam": (lambda: keras.optimizers.Adam(0.01), 1e-5),
+    "adamw": (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05), 1e-5),
+    "rmsprop": (lambda: keras.optimizers.RMSprop(0.01), 1e-5),
+}
+
+
+# Big-batch references: no gacli code runs in them.
+def big_batch_reference(make_optimizer, windows, x, y, loss="mse", seed=0):
+    """Plain Keras, one ``train_on_batch`` per window of sample indices; returns the model."""
+    model = plain_model(seed)
+    model.compile(optimizer=make_optimizer(), loss=loss)
+    for window in windows:
+        model.train_on_batch(x[window], y[window])
+    return model
+
+
+def epoch_windows(num_samples, window_size, epochs):
+    """Windows of ``window_size`` consecutive samples, restarting each epoch
+    (partial_window=apply)."""
+    windows = []
+    for _ in range(epochs):
+        for start in range(0, num_samples, window_size):
+            windows.append(np.arange(start, min(start + window_size, num_samples)))
+    return windows
+
+
+# AGC written from the NFNets paper (Brock et al. 2021, section 4.1): per-unit L2 norms,
+# ``max_norm = clip_factor * max(||w_unit||, eps)``, and a unit whose ``||g_unit||`` exceeds
+# ``max_norm`` is rescaled to ``max_norm / ||g_unit|| * g_unit``. Computed in float64 from the
+# float32 inputs; the axes are always given by the caller, never asked of gacli.
+
+# Unit-norm axes by rank as the NFNets reference code and gradient-accumulator take them (None: the
+# whole tensor is one unit). Rank 3 is their multi-head linear [in, heads, dim].
+NFNETS_AXES = {0: None, 1: None, 2: (0,), 3: (0,), 4: (0, 1, 2), 5: (0, 1, 2, 3)}
+
+
+def numpy_norm(x, axes):
+    """L2 norm of ``x`` over ``axes`` in float64 (``None``: the whole tensor, a scalar)."""
+    x = np.asarray(x, np.float64)
+    if axes is None:
+        return np.sqrt(np.sum(x * x))
+    return np.sqrt(np.sum(x * x, axis=tuple(axes), keepdims=True))
+
+
+def numpy_agc(weight, gradient, axes, clip_factor, eps):
+    """(``gradient`` clipped unit-wise against ``weight`` over ``axes``, which units clipped)."""
+    gradient = np.asarray(gradient, np.float64)
+    max_norm = clip_factor * np.maximum(numpy_norm(weight, axes), eps)
+    gradient_norm = numpy_norm(gradient, axes)
+    clips = gradient_norm > max_norm
+    return np.where(clips, gradient * max_norm / np.maximum(gradient_norm, 1e-300), gradient), clips
+
+
+def weight_and_gradient(shape, axes, clip_factor, seed=0):
+    """A float32 weight and gradient of ``shape`` whose units (norms over ``axes``) alternate
+    between clipped and untouched: ``||g|| / ||w||`` is 5 x or 0.5 x ``clip_factor``, so a wrong
+    axis or a missed clip is off by far more than float32 rounding."""
+    rng = np.random.default_rng(seed)
+    weight = rng.normal(size=shape).astype("float32")
+    gradient = rng.normal(size=shape).astype("float32")
+    ratio = numpy_norm(gradient, axes) / numpy_norm(weight, axes)
+    target = np.where(np.arange(np.size(ratio)).reshape(np.shape(ratio)) % 2, 5.0, 0.5)
+    if axes is None:
+        target = 5.0
+    return weight, (gradient * clip_factor * target / ratio).astype("float32")
+
+
+def agc_big_batch_reference(make_optimizer, windows, x, y, clip_factor, eps=1e-3, seed=0):
+    """Plain Keras with AGC done in NumPy: per window of sample indices, the big batch's MSE
+    gradient from a tape, each weight's gradient clipped by :func:`numpy_agc` over the NFNets axes
+    of its rank, then the plain optimizer's ``apply_gradients``; returns the model."""
+    model = plain_model(seed)
+    optimizer = make_optimizer()
+    loss = keras.losses.MeanSquaredError()  # what compile(loss="mse") computes
+    for window in windows:
+        with tf.GradientTape() as tape:
+            value = loss(y[window], model(x[window], training=True))
+        gradients = tape.gradient(value, model.trainable_variables)
+        clipped = [
+            numpy_agc(
+                variable.numpy(),
+                gradient.numpy(),
+                NFNETS_AXES[len(variable.shape)],
+                clip_factor,
+                eps,
+            )[0].astype("float32")
+            for variable, gradient in zip(model.trainable_variables, gradients)
+        ]
+        optimizer.apply_gradients(zip(clipped, model.trainable_variables))
+    return model
+
+
+# ga-train as a user runs it, and what its runs leave behind.
+def ga_train(*arguments, cwd, timeout=600, env=None):
+    """Run the installed ga-train; returns (exit code, stdout + stderr)."""
+    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *arguments]
+    environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    environment.update(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    result = subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environment
+    )
+    return result.returncode, result.stdout + result.stderr
+
+
+def run_dir_of(output):
+    lines = [line for line in output.splitlines() if line.startswith("run directory: ")]
+    assert len(lines) == 2 and lines[0] == lines[1], output  # printed first and last
+    return lines[0].split(": ", 1)[1]
+
+
+def shipped(package, group=None):
+    """Names of the YAML files shipped in ``package`` (``group``: a config group folder)."""
+    folder = resources.files(package) / group if group else resources.files(package)
+    return sorted(entry.name[:-5] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+
+
+def compose_config(*overrides):
+    """ga-train's config for ``overrides``, composed in-process (quiet unless progress= given)."""
+    register_configs()
+    with initialize_config_module("gacli.configs", version_base="1.3"):
+        quiet = [] if any(o.startswith("progress=") for o in overrides) else ["progress=none"]
+        return compose("train", overrides=[*quiet, *overrides])
+
+
+def event_tags(run_dir):
+    files = glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))
+    assert len(files) == 1, files
+    events = EventAccumulator(files[0])
+    events.Reload()
+    return set(events.Tags()["tensors"]), events
+
+
+def scalars(events, tag):
+    return [float(make_ndarray(event.tensor_proto)) for event in events.Tensors(tag)]
+
+
+def final_weights(run_dir):
+    """The weights of the model.keras a finished run saved."""
+    import gacli.accumulate_model  # noqa: F401  (registers the classes model.keras refers to)
+
+    return keras.saving.load_model(os.path.join(run_dir, "model.keras")).get_weights()
+
+
+def run_difference(run_a, run_b):
+    """Largest absolute difference between two finished runs' final weights."""
+    return weights_difference(final_weights(run_a), final_weights(run_b))
+
+
+# -- the gradient noise scale against every example's gradient (test_noise_scale.py) ----------
+GNS_FEATURES, GNS_CLASSES = 8, 3
+# 4090 samples, micro-batches of 16 (per replica), windows of 4: the last micro-batch holds 10
+# samples and the last window 3 micro-batches, so ragged windows are part of every epoch.
+GNS_SAMPLES, MICRO_GNS, K_GNS = 4090, 16, 4
+
+
+def noise_scale_data(label_noise):
+    """A softmax-regression problem whose labels are noisier as ``label_noise`` grows."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(GNS_SAMPLES, GNS_FEATURES)).astype("float32")
+    scores = x @ rng.normal(size=(GNS_FEATURES, GNS_CLASSES))
+    y = (scores + label_noise * rng.normal(size=scores.shape)).argmax(axis=1)
+    return x, y
+
+
+def noise_scale_direct(model, x, y):
+    """(|G|^2, tr(Sigma)) over the whole data set, from every example's gradient."""
+    kernel, bias = (variable.numpy() for variable in model.trainable_variables)
+    logits = x @ kernel + bias
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1.0  # d loss / d logits, per example
+    per_example = np.concatenate([(x[:, :, None] * p[:, None, :]).reshape(len(y), -1), p], 1)
+    mean = per_example.mean(axis=0)
+    return float((mean**2).sum()), float(((per_example - mean) ** 2).sum(axis=1).mean())
+
+
+def noise_scale_run(label_noise, epochs=4, strategy=None, accum_steps=K_GNS):
+    """Train at learning rate 0 (fixed weights) with noise_scale=True under ``strategy``:
+    (the direct (|G|^2, tr Sigma), the engine's raw estimates per window, its summary)."""
+    x, y = noise_scale_data(label_noise)
+    keras.utils.set_random_seed(0)
+    with (strategy or tf.distribute.get_strategy()).scope():
+        inputs = keras.Input((GNS_FEATURES,))
+        model = gacli.GradientAccumulateModel(
+            accum_steps=accum_steps,
+            noise_scale=True,
+            inputs=inputs,
+            outputs=keras.layers.Dense(GNS_CLASSES)(inputs),
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.0),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    windows = []
+
+    class EveryWindow(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            optimizer = self.model.optimizer
+            if int(optimizer.window_micro_steps.numpy()) == 0:
+                summary = optimizer.noise_scale()
+                windows.append((summary["grad_sq_raw"], summary["trace_raw"]))
+
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    model.fit(
+        x, y, batch_size=MICRO_GNS * replicas, epochs=epochs, verbose=0, callbacks=[EveryWindow()]
+    )
+    return noise_scale_direct(model, x, y), np.array(windows), model.optimizer.noise_scale()
+
+
+def noise_scale_errors(run):
+    """Relative errors of the engine's |G|^2, tr(Sigma) and B_simple, averaged over windows."""
+    (grad_sq, trace), windows, _ = run
+    estimated_grad_sq, estimated_trace = windows.mean(axis=0)
+    return (
+        abs(estimated_grad_sq / grad_sq - 1),
+        abs(estimated_trace / trace - 1),
+        abs((estimated_trace / estimated_grad_sq) / (trace / grad_sq) - 1),
+    )

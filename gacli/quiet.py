@@ -24,13 +24,15 @@ _KNOWN = re.compile(
     r"|I\d{4} [\d:.]+ +\d+ (cudart_stub|cpu_feature_guard|port)\.cc:\d+\]"
     r"|To enable the following instructions: .*rebuild TensorFlow with the appropriate compiler"
     r"|E\d{4} [\d:.]+ +\d+ cuda_(platform|executor|diagnostics)\.cc:\d+\] failed call to cuInit"
-    # version: TensorFlow 2.18 writes a date and the source path first, probes CUDA from
-    # cuda_driver.cc, and registers its CUDA plugins twice in a CPU-only run (the "Unable to
+    # version: TensorFlow 2.17 and 2.18 write a date and the source path first, probe CUDA from
+    # cuda_driver.cc, and register their CUDA plugins twice in a CPU-only run (the "Unable to
     # register ... factory" lines, tensorflow/tensorflow#62075).
     r"|[\d-]+ [\d:.]+: I \S*/(cudart_stub|cpu_feature_guard)\.cc:\d+\]"
     r"|[\d-]+ [\d:.]+: E \S*/cuda_driver\.cc:\d+\] failed call to cuInit"
     r"|([\d-]+ [\d:.]+: E \S*/|E\d{4} [\d:.]+ +\d+ )cuda_(fft|dnn|blas)\.cc:\d+\] Unable to "
     r"register cu(FFT|DNN|BLAS) factory"
+    # version: TensorFlow 2.17 also looks for TensorRT on every start.
+    r"|[\d-]+ [\d:.]+: W \S*/py_utils\.cc:\d+\] TF-TRT Warning: Could not find TensorRT"
 )
 # A user who asked TensorFlow for its own logging gets all of it, unfiltered.
 _USER_LOGGING = ("TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL", "TF_CPP_VMODULE")

@@ -186,6 +186,12 @@ class AccumulationMixin(compat.KerasWorkarounds):
             )
         super().compile(optimizer, loss, *args, **kwargs)
 
+    def set_accum_steps(self, accum_steps):
+        """Micro-batches per update from the next window on (the window must be empty), for the
+        model, its optimizer and its AccumBatchNormalization layers; the train function is made
+        again. ga-train's ``oom=recover`` uses it when it halves the micro-batch."""
+        set_accum_steps(self, accum_steps)
+
     def compile_from_config(self, config):
         # Keras skips compile() on load when it is overridden; this one is safe to call.
         config = keras.saving.deserialize_keras_object(config)
@@ -412,6 +418,25 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
 
 
 @shows_config_defaults
+def set_accum_steps(model, accum_steps, steps_per_execution=None):
+    """Micro-batches per update from the next window on, for a compiled ``model`` that
+    accumulates (a model wrapper, or any model compiled with a GradientAccumulateOptimizer): its
+    optimizer, its AccumBatchNormalization layers and its settings; the window must be empty.
+    ``steps_per_execution``: micro-batches per compiled call from now on (None: unchanged).
+    The train function is made again."""
+    optimizer = find_accumulating_optimizer(model.optimizer)
+    optimizer.set_accum_steps(accum_steps)
+    if isinstance(model, AccumulationMixin):
+        model.accumulation_config = model.accumulation_config.replace(
+            accum_steps=optimizer.accum_steps
+        )
+    for layer in accum_batchnorm_layers(model):
+        layer.accum_steps = optimizer.accum_steps
+    if steps_per_execution is not None:
+        model.steps_per_execution = steps_per_execution
+    model.make_train_function(force=True)
+
+
 def wrap_model(model, accum_steps=None, config=None, **settings):
     """Return a model that trains ``model``'s own layers and weights with accumulation.
 

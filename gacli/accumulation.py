@@ -264,6 +264,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.agc_unit_axes = agc_unit_axes
         # Compiled flush/discard functions, by (kind, variables with gradients): a cache only.
         self._window_functions = {}
+        # The state variables that hold one value for all replicas (see window_start_state).
+        self._shared_state = []
         self._constructed = True
 
     def __setattr__(self, name, value):
@@ -304,6 +306,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 synchronization="on_read" if per_replica else "auto",
             )
         compat.track_variable(self, variable)
+        if not per_replica:
+            self._shared_state.append(variable)
         return variable
 
     def build(self, var_list):
@@ -615,11 +619,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self._noise.reset()
 
     # -- windows that are not full ----------------------------------------------------------------
-    def _run_window_function(self, kind):
-        """Run ``flush`` or ``discard`` as a compiled function in the right distribution context."""
+    def _run_window_function(self, kind, force=False):
+        """Run ``flush`` or ``discard`` as a compiled function in the right distribution context
+        (``force``: even when no micro-batch is counted in the window)."""
         if not self.built:
             return
-        if tf.executing_eagerly() and int(self.window_micro_steps.numpy()) == 0:
+        if not force and tf.executing_eagerly() and int(self.window_micro_steps.numpy()) == 0:
             # Every window closed (the usual epoch end): nothing to apply or drop. Tracing the
             # function anyway costs seconds and ~10 MB of host memory at the first epoch end.
             # (Every micro-step counts itself in window_micro_steps, and every worker of a run
@@ -658,6 +663,31 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def discard_window(self):
         """Drop the gradients of the open window without updating."""
         self._run_window_function("discard")
+
+    # -- going back to a window's start (ga-train's oom=recover) ---------------------------------
+    def window_start_state(self):
+        """Host copies of the state that holds one value for all replicas (counters, mask, loss
+        scale, noise-scale averages), read at a window's start for :meth:`rewind_window`. The
+        rest (accumulators and per-replica sums) is zero at every window's start."""
+        return [variable.numpy() for variable in self._shared_state]
+
+    def rewind_window(self, start_state):
+        """Back to the start of the open window after a call failed part-way (an out-of-memory
+        error between two micro-batches, or inside one): the accumulators and per-replica sums
+        are zeroed, and ``start_state`` (from :meth:`window_start_state`) is put back."""
+        self._run_window_function("discard", force=True)
+        for variable, value in zip(self._shared_state, start_state):
+            variable.assign(value)
+
+    def set_accum_steps(self, accum_steps):
+        """Micro-batches per update from the next window on; the window must be empty. The caller
+        makes its train function again (the count is read when the step is traced)."""
+        accum_steps = validate_accum_steps(accum_steps)
+        if self.built and int(self.window_micro_steps.numpy()):
+            raise ValueError("accum_steps can change between windows only; the window is open.")
+        self.config = self.config.replace(accum_steps=accum_steps)
+        self._window.accum_steps = accum_steps
+        self._window_functions.clear()
 
     def epoch_end_action(self, last=False):
         """``"apply"``, ``"drop"`` or ``None``: what ``partial_window`` does to an open window at

@@ -14,7 +14,7 @@ from importlib import metadata, resources
 
 from gacli import rundir
 from gacli.config import FREE_ON_RESUME
-from gacli.errors import EXIT_USAGE, ConfigError, Interrupted, TrainingFailed
+from gacli.errors import EXIT_USAGE, ConfigError, Interrupted, ProcessUnusable, TrainingFailed
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
 _SWEEP_DIR = "multirun/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -401,6 +401,11 @@ def _task(cfg, launch):
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"ga-train: {stop}", file=sys.stderr)
+        if isinstance(stop, ProcessUnusable):
+            rundir.release(run_dir)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(stop.exit_code)  # freeing the damaged variables would abort the process
         sys.exit(stop.exit_code)
     except Exception as error:
         if rundir.is_chief():

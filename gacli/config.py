@@ -21,7 +21,16 @@ from gacli.options import BatchNormPolicy, NonFinite, PartialWindow
 
 
 # Keys a resumed run may change: they change neither the updates nor the order of the data.
-FREE_ON_RESUME = ("resume", "progress", "output_dir", "steps_per_execution", "monitor")
+FREE_ON_RESUME = (
+    "resume",
+    "progress",
+    "output_dir",
+    "steps_per_execution",
+    "monitor",
+    "oom",
+    "auto_batch",
+)
+AUTO = "auto"  # micro_batch_size=auto: probe the device for the micro-batch
 
 
 class Wrapper(str, enum.Enum):
@@ -69,6 +78,16 @@ class Progress(str, enum.Enum):
     rich = "rich"
     plain = "plain"
     none = "none"
+
+
+class OutOfMemory(str, enum.Enum):
+    fail = "fail"  # stop with a message that says which micro_batch_size to try
+    recover = "recover"  # halve the micro-batch, double accum_steps, redo the window
+
+
+class Pick(str, enum.Enum):
+    largest = "largest"  # the largest micro-batch that fits (after the safety margin)
+    fastest = "fastest"  # the one with the most samples/s among those that fit
 
 
 @dataclass
@@ -149,6 +168,17 @@ class MonitorConfig:
 
 
 @dataclass
+class AutoBatchConfig:
+    # micro_batch_size=auto: how the probe chooses.
+    pick: Pick = Pick.largest
+    # After a probe ran out of memory: the micro-batch is at most (1 - margin) x the largest
+    # that ran, so that a longer sequence or a fragmented allocator still fits.
+    margin: float = 0.1
+    max_micro_batch_size: Optional[int] = None  # the largest size probed (None: the data's)
+    timed_calls: int = 2  # compiled calls timed per size, after one that warms up
+
+
+@dataclass
 class TrainConfig:
     config: str = "default"  # the recipe or YAML file this run was composed from
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -157,9 +187,12 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    micro_batch_size: Optional[int] = None  # samples per forward/backward pass, per replica
+    # Samples per forward/backward pass, per replica; "auto": the largest that fits the device.
+    micro_batch_size: Any = None
     accum_steps: Optional[int] = None  # micro-batches per optimizer update
     effective_batch_size: Optional[int] = None  # micro x accum x replicas
+    auto_batch: AutoBatchConfig = field(default_factory=AutoBatchConfig)
+    oom: OutOfMemory = OutOfMemory.fail  # an out-of-memory error while training
     wrapper: Wrapper = Wrapper.auto
     partial_window: PartialWindow = PartialWindow.apply
     batchnorm: BatchNormPolicy = BatchNormPolicy.keep
@@ -226,6 +259,8 @@ def resolve_batch(micro_batch_size, accum_steps, effective_batch_size, replicas,
     micro, accum, effective, from_command_line = _chosen_batch_values(
         micro_batch_size, accum_steps, effective_batch_size, given
     )
+    if micro == AUTO:
+        return _auto_plan(accum, effective, replicas)
     if micro is not None and accum is not None:
         return _checked_plan(micro, accum, effective, replicas, from_command_line)
     if micro is not None:
@@ -254,12 +289,15 @@ def _chosen_batch_values(micro_batch_size, accum_steps, effective_batch_size, gi
     None for the one to derive."""
     values = dict(zip(_BATCH_KEYS, (micro_batch_size, accum_steps, effective_batch_size)))
     for key, value in values.items():
+        if key == "micro_batch_size" and value == AUTO:
+            continue
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 1
         ):
             raise ConfigError(
                 f"{key}={value} must be a whole number >= 1, e.g. {key}="
-                f"{ {'micro_batch_size': 16, 'accum_steps': 4, 'effective_batch_size': 64}[key] }."
+                f"{ {'micro_batch_size': 16, 'accum_steps': 4, 'effective_batch_size': 64}[key] }"
+                + (" (or micro_batch_size=auto)." if key == "micro_batch_size" else ".")
             )
     configured = [key for key in _BATCH_KEYS if values[key] is not None]
     from_command_line = [key for key in configured if key in given]
@@ -311,6 +349,53 @@ def _checked_plan(micro, accum, effective, replicas, from_command_line):
     return plan
 
 
+@dataclass(frozen=True)
+class AutoPlan:
+    """``micro_batch_size=auto``: the batch arithmetic that waits for the probe's micro-batch.
+
+    With ``effective_batch_size`` set, the micro-batch is a divisor of the effective batch per
+    replica and ``accum_steps`` follows, so the effective batch is kept exactly; with
+    ``accum_steps`` set instead, the effective batch follows the micro-batch.
+    """
+
+    accum_steps: Optional[int]
+    effective_batch_size: Optional[int]
+    replicas: int
+
+    def candidates(self, largest):
+        """Every micro-batch size the arithmetic allows, up to ``largest``, smallest first."""
+        if self.effective_batch_size is None:
+            return list(range(1, largest + 1))
+        per_replica = self.effective_batch_size // self.replicas
+        return [size for size in range(1, min(largest, per_replica) + 1) if per_replica % size == 0]
+
+    def with_micro_batch_size(self, micro_batch_size):
+        if self.effective_batch_size is None:
+            return BatchPlan(micro_batch_size, self.accum_steps, self.replicas)
+        return BatchPlan(
+            micro_batch_size,
+            self.effective_batch_size // (micro_batch_size * self.replicas),
+            self.replicas,
+        )
+
+
+def _auto_plan(accum, effective, replicas):
+    if accum is not None and effective is not None:
+        raise ConfigError(
+            "micro_batch_size=auto chooses the micro-batch, so only one of "
+            f"accum_steps={accum} and effective_batch_size={effective} can be kept: give one of "
+            "them on the command line, "
+            f"e.g. micro_batch_size=auto effective_batch_size={effective}."
+        )
+    if effective is not None and effective % replicas:
+        raise ConfigError(
+            f"effective_batch_size={effective} is not a multiple of the {replicas} replicas, so "
+            f"no micro-batch keeps it exactly; use e.g. effective_batch_size="
+            f"{max(replicas, effective // replicas * replicas)}."
+        )
+    return AutoPlan(accum, effective, replicas)
+
+
 def expected_replicas(strategy):
     """Replicas a strategy config will have, where that is known without TensorFlow, else None."""
     if strategy.name in (StrategyName.default, StrategyName.one_device):
@@ -351,6 +436,7 @@ def validate(cfg, given=()):
             "strategy=multi_worker (keras-team/keras#20585); use wrapper=auto (the model wrapper, "
             "which works around it)."
         )
+    _validate_batch_choice(cfg)
     if cfg.steps_per_execution is not None and cfg.steps_per_execution < 1:
         raise ConfigError(
             f"steps_per_execution={cfg.steps_per_execution} must be >= 1 (micro-batches per "
@@ -377,4 +463,37 @@ def validate(cfg, given=()):
         raise ConfigError(
             f"model.factory={cfg.model.factory} must be 'package.module:function', e.g. "
             "model.factory=mypkg.models:build_model."
+        )
+
+
+def _validate_batch_choice(cfg):
+    """``auto_batch`` and ``oom``."""
+    auto = cfg.auto_batch
+    if not 0 <= auto.margin < 1:
+        raise ConfigError(
+            f"auto_batch.margin={auto.margin} must be in [0, 1) (the share of the largest "
+            "micro-batch that ran to give up after an out-of-memory error), e.g. "
+            "auto_batch.margin=0.1."
+        )
+    if auto.timed_calls < 1:
+        raise ConfigError(f"auto_batch.timed_calls={auto.timed_calls} must be >= 1, e.g. 2.")
+    if auto.max_micro_batch_size is not None and auto.max_micro_batch_size < 1:
+        raise ConfigError(
+            f"auto_batch.max_micro_batch_size={auto.max_micro_batch_size} must be >= 1, or null "
+            "for the size of the training data."
+        )
+    if cfg.oom != OutOfMemory.recover:
+        return
+    if cfg.partial_window == PartialWindow.carry:
+        raise ConfigError(
+            "oom=recover redoes a window from its first sample, which partial_window=carry may "
+            "have left in the previous epoch; use partial_window=apply (or drop) with oom=recover."
+        )
+    accum = cfg.accum_steps if isinstance(cfg.accum_steps, int) else None
+    spe = cfg.steps_per_execution
+    if spe is not None and spe > 1 and (accum is None or accum % spe):
+        raise ConfigError(
+            f"oom=recover needs every compiled call inside one window, but steps_per_execution="
+            f"{spe} does not divide accum_steps; drop steps_per_execution (a window a call) or "
+            "use steps_per_execution=1."
         )

@@ -110,6 +110,9 @@ class ProgressCallback(keras.callbacks.Callback):
         self._started = False
         self._last_line = 0.0
 
+    def replan(self, plan, recoveries):
+        self.plan = plan
+
     def on_train_begin(self, logs=None):
         # Called once per fit(); a resumed run's first epoch is a fit() of its own.
         if self._started:

@@ -32,6 +32,12 @@ class TrainingFailed(RuntimeError):
     exit_code = EXIT_FAILURE
 
 
+class ProcessUnusable(TrainingFailed):
+    """Training stopped and this process cannot go on: TensorFlow left its memory damaged (an
+    out-of-memory error inside an XLA program). The command line exits at once, without the
+    clean-up that would touch the damaged memory."""
+
+
 class Interrupted(Exception):
     """Training stopped on a signal (after a checkpoint); ``exit_code`` is 128 + the signal."""
 

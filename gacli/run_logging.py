@@ -86,6 +86,11 @@ class TensorBoardLogger(keras.callbacks.Callback):
         self._window_start = 0
         self._micro_batches_since = 0
         self._epoch_done = 0
+        self.oom_recoveries = 0
+
+    def replan(self, plan, recoveries):
+        """The batch arithmetic after an out-of-memory recovery (``oom=recover``)."""
+        self.plan, self.oom_recoveries = plan, recoveries
 
     def _write(self, step, values):
         self.writer.add_event(
@@ -153,6 +158,7 @@ class TensorBoardLogger(keras.callbacks.Callback):
             _scalar_value("batch/micro_size", self.plan.micro_batch_size),
             _scalar_value("batch/accum_steps", self.plan.accum_steps),
             _scalar_value("batch/replicas", self.plan.replicas),
+            _scalar_value("batch/oom_recoveries", self.oom_recoveries),
         ]
         for name, value in logs.items():
             number = _number(value)

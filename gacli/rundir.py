@@ -32,6 +32,8 @@ from gacli.errors import ConfigError
 
 RESULT_FILE = "result.json"
 FAILURE_FILE = "failure.json"
+# The micro-batch a run chose for itself (micro_batch_size=auto, oom=recover); a resume keeps it.
+BATCH_PLAN_FILE = "batch_plan.json"
 CHECKPOINT_DIR = "checkpoints"
 LOCK_FILE = ".gacli.lock"
 # The last 8 bytes of every TensorFlow checkpoint index (a LevelDB-style table), little-endian.
@@ -192,6 +194,15 @@ def write_json(path, value):
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(handle.name, path)
+
+
+def read_json(path):
+    """The JSON value in ``path``, or None when there is no such file."""
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        return None
 
 
 def record_failure(run_dir, exit_code, message):

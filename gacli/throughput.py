@@ -42,6 +42,29 @@ class MicroBatchLayout:
         """Samples in the run's micro-batches ``first .. end - 1``."""
         return self.samples_before(end) - self.samples_before(first)
 
+    def index_of(self, samples):
+        """The micro-batch that starts ``samples`` into the run (it must start one)."""
+        passes, into_pass = divmod(int(samples), self.train_size)
+        return passes * self.per_pass + into_pass // self.global_micro_batch_size
+
+
+class ChangedLayout:
+    """A :class:`MicroBatchLayout` whose micro-batch changed size at micro-batch ``at`` of the run
+    (``oom=recover``, at a window's start): ``before`` counts up to it, ``after`` from there on."""
+
+    def __init__(self, before, at, global_micro_batch_size):
+        self.before, self.at = before, int(at)
+        self.after = MicroBatchLayout(before.train_size, global_micro_batch_size)
+        self.offset = self.after.index_of(before.samples_before(at)) - self.at
+
+    def samples_before(self, micro_batch):
+        if micro_batch <= self.at:
+            return self.before.samples_before(micro_batch)
+        return self.after.samples_before(int(micro_batch) + self.offset)
+
+    def samples_in(self, first, end):
+        return self.samples_before(end) - self.samples_before(first)
+
 
 def samples_per_second(reading, since=(0, 0.0)):
     """Rate between two :meth:`TrainingClock.reading` results; None when no training time passed
@@ -79,6 +102,11 @@ class TrainingClock(keras.callbacks.Callback):
         self.seconds = 0.0  # in training calls after the first one
         self._first_counted = None  # micro-batches done when the first call ended
         self._call_start = None
+
+    def replan(self, plan, recoveries):
+        """Micro-batches of ``plan``'s size from the current micro-step on (``oom=recover``)."""
+        at = int(self.accumulator.micro_step.numpy())
+        self.layout = ChangedLayout(self.layout, at, plan.global_micro_batch_size)
 
     def on_train_batch_begin(self, batch, logs=None):
         self._call_start = time.perf_counter()

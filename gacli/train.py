@@ -15,31 +15,46 @@ import shutil
 
 import keras
 import numpy as np
+import tensorflow as tf
 from omegaconf import OmegaConf
 
-from gacli.accumulate_model import accumulation_callbacks, wrap_model
+from gacli.accumulate_model import accumulation_callbacks, set_accum_steps, wrap_model
 from gacli.accumulation import (
     GradientAccumulateOptimizer,
     NonFiniteError,
     find_accumulating_optimizer,
 )
+from gacli.autobatch import find_micro_batch_size, probe_key, probe_lines
 from gacli.batchnorm import apply_batchnorm_policy, plain_batchnorm_layers
-from gacli.config import FREE_ON_RESUME, PartialWindow, Policy, Wrapper, resolve_batch
+from gacli.config import (
+    FREE_ON_RESUME,
+    AutoPlan,
+    BatchPlan,
+    OutOfMemory,
+    PartialWindow,
+    Policy,
+    Wrapper,
+    resolve_batch,
+)
 from gacli.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.data import load_dataset
-from gacli.errors import ConfigError, TrainingFailed
+from gacli.errors import ConfigError, ProcessUnusable, TrainingFailed
+from gacli.faults import install_fake_oom
 from gacli.memory_stats import reset_memory_peaks
 from gacli.models import build_model
+from gacli.oom import WindowStart, oom_line, out_of_memory_message, position_in, smaller_plan
 from gacli.optimizers import build_optimizer
 from gacli.options import BatchNormPolicy
 from gacli.precise_batchnorm import precise_batchnorm_callback
 from gacli.run_logging import TensorBoardLogger, host_memory_bytes
 from gacli.rundir import (
+    BATCH_PLAN_FILE,
     CHECKPOINT_DIR,
     RESULT_FILE,
     check_usable,
     check_writable,
     is_chief,
+    read_json,
     write_json,
 )
 from gacli.runstate import (
@@ -52,7 +67,7 @@ from gacli.runstate import (
 )
 from gacli.settings import AccumulationConfig
 from gacli.strategy import is_multi_worker, make_strategy
-from gacli.throughput import TrainingClock
+from gacli.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
 
 _KERAS_POLICY = {
     Policy.fp32: "float32",
@@ -247,10 +262,12 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     for name in ("absl", "tensorflow"):
         logging.getLogger(name).setLevel(logging.WARNING)
     data = load_dataset(cfg.dataset, cfg.seed)
+    plan, chosen = settle_plan(cfg, plan, data, strategy, run_dir)
     _check_batch_fits_data(cfg, plan, data.train_size)
     schedule = plan_schedule(cfg, plan, data.train_size)
     job = build_job(cfg, plan, data, schedule, strategy)
-    startup_panel(console, cfg, plan, job.facts(cfg, plan, data, schedule, strategy))
+    facts = job.facts(cfg, plan, data, schedule, strategy)
+    startup_panel(console, cfg, plan, {**facts, **chosen})
     chief = is_chief()
     if chief:
         _write_resolved(cfg, plan, schedule, job, run_dir)
@@ -259,8 +276,9 @@ def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
     )
     try:
         position = _restore(cfg, job, state, strategy, console, run_dir)
+        position = _recount_checkpoint(plan, job, callbacks, state, position, run_dir)
         with run_checkpoint.signals:
-            history = run_fit(
+            history, plan = run_fit(
                 cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir
             )
     finally:
@@ -306,6 +324,71 @@ def plan_schedule(cfg, plan, train_size):
     )
 
 
+def settle_plan(cfg, plan, data, strategy, run_dir):
+    """(the run's BatchPlan, start-up panel lines on how it was chosen).
+
+    A run that chose its micro-batch before (``micro_batch_size=auto``'s probe, or ``oom=recover``
+    after an out-of-memory error) keeps that choice when it resumes: ``batch_plan.json`` in the run
+    directory holds it, and the checkpoints count micro-batches of that size."""
+    saved = read_json(os.path.join(run_dir, BATCH_PLAN_FILE))
+    if saved is not None and cfg.resume:
+        kept = BatchPlan(saved["micro_batch_size"], saved["accum_steps"], saved["replicas"])
+        if kept.replicas == plan.replicas:
+            return kept, {"micro-batch": f"{kept.micro_batch_size}, as before ({saved['why']})"}
+    if not isinstance(plan, AutoPlan):
+        return plan, {}
+    largest = data.train_size // plan.replicas
+    if cfg.auto_batch.max_micro_batch_size:
+        largest = min(largest, cfg.auto_batch.max_micro_batch_size)
+    candidates = plan.candidates(max(1, largest))
+    first = plan.with_micro_batch_size(candidates[-1])
+    # Without XLA: an out-of-memory error inside an XLA program leaves the variables unusable
+    # (see _stop_for_resume). XLA's fused step usually needs less memory than this one.
+    probed = OmegaConf.merge(cfg, {"jit_compile": False})
+    job = build_job(probed, first, data, plan_schedule(cfg, first, data.train_size), strategy)
+
+    def prepare(size):
+        sized = plan.with_micro_batch_size(size)
+        spe = _steps_per_execution(cfg, sized, job.wrapper)
+        set_accum_steps(job.model, sized.accum_steps, spe)
+
+    micro, probes = find_micro_batch_size(
+        job.model,
+        strategy,
+        data.train,
+        candidates,
+        cfg.auto_batch,
+        prepare,
+    )
+    if micro is None:
+        raise TrainingFailed(
+            f"micro_batch_size=auto: not even a micro-batch of {candidates[0]} fits the device "
+            f"({probes[candidates[0]].error}). Use a smaller model or input, or "
+            "precision=mixed_float16 (half the activation memory)."
+        )
+    chosen = plan.with_micro_batch_size(micro)
+    why = f"micro_batch_size=auto, pick={cfg.auto_batch.pick.value}"
+    record = {
+        **_plan_record(chosen, why),
+        "key": probe_key(cfg, data, strategy),
+        "probes": [dataclasses.asdict(probe) for probe in probes.values()],
+    }
+    if is_chief():
+        write_json(os.path.join(run_dir, BATCH_PLAN_FILE), record)
+    return chosen, {"micro-batch": "\n".join(probe_lines(micro, probes, cfg.auto_batch))}
+
+
+def _plan_record(plan, why, **more):
+    return {
+        "micro_batch_size": plan.micro_batch_size,
+        "accum_steps": plan.accum_steps,
+        "replicas": plan.replicas,
+        "effective_batch_size": plan.effective_batch_size,
+        "why": why,
+        **more,
+    }
+
+
 def accumulation_config(cfg, plan):
     """The job's :class:`~gacli.AccumulationConfig` (loss scaling follows the precision policy,
     which is set when the model is built)."""
@@ -329,6 +412,7 @@ class Job:
     reason: str
     batchnorm_layers: int
     learning_rate: float
+    fault: object = None  # GACLI_FAKE_OOM_ABOVE's callback (gacli.faults), when set
 
     def facts(self, cfg, plan, data, schedule, strategy):
         """The start-up panel's lines."""
@@ -389,13 +473,20 @@ def build_job(cfg, plan, data, schedule, strategy):
             auto_scale_loss=False,
             steps_per_execution=schedule.steps_per_execution,
         )
+    accumulator = find_accumulating_optimizer(model.optimizer)
+    if model.built:
+        with strategy.scope():
+            # Built now, not in the first trace: the probe and the fault injection read its state.
+            model.optimizer.build(model.trainable_variables)
+    fault = install_fake_oom(model, accumulator)
     return Job(
         model,
-        find_accumulating_optimizer(model.optimizer),
+        accumulator,
         wrapper,
         reason,
         batchnorm_layers,
         float(inner.learning_rate.numpy()),
+        fault,
     )
 
 
@@ -482,6 +573,12 @@ def make_callbacks(
             )
         )
     callbacks.append(run_checkpoint)
+    if cfg.oom == OutOfMemory.recover:
+        callbacks.append(
+            WindowStart(accumulator, lambda: (run_checkpoint.epoch, run_checkpoint.done))
+        )
+    if job.fault is not None:
+        callbacks.append(job.fault)
     return callbacks, run_checkpoint, state
 
 
@@ -508,12 +605,124 @@ def _restore(cfg, job, state, strategy, console, run_dir):
     return restored
 
 
+def _recount_checkpoint(plan, job, callbacks, state, position, run_dir):
+    """A run resumed after an out-of-memory error under XLA (:func:`_stop_for_resume`): the
+    checkpoint counts micro-batches of the old size; its position and open window are counted
+    again in the new size, and saved so, before training goes on."""
+    path = os.path.join(run_dir, BATCH_PLAN_FILE)
+    saved = read_json(path) or {}
+    old = saved.pop("checkpoint_micro_batch_size", None)
+    if old is None or old == plan.micro_batch_size:
+        return position
+    ratio = old // plan.micro_batch_size
+    accumulator = job.accumulator
+    accumulator.window_micro_steps.assign(accumulator.window_micro_steps * ratio)
+    at = int(accumulator.micro_step.numpy())
+    for callback in callbacks:
+        if isinstance(callback, TrainingClock):
+            before = MicroBatchLayout(callback.layout.train_size, old * plan.replicas)
+            callback.layout = ChangedLayout(before, at, plan.global_micro_batch_size)
+        elif hasattr(callback, "replan"):
+            callback.replan(plan, saved.get("oom_recoveries", 0))
+    position = (position[0], position[1] * ratio)
+    if is_chief():
+        if position != (0, 0) or int(accumulator.optimizer_step.numpy()):
+            state.save(*position)
+        write_json(path, saved)
+    return position
+
+
 def run_fit(cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir):
-    """fit() from ``position`` to the end of training, one call per segment; the history."""
+    """fit() from ``position`` to the end of training; (the history, the plan it ended with).
+
+    Under ``oom=recover`` an out-of-memory error puts the open window back to its start, halves
+    the micro-batch (doubling accum_steps) and goes on from the window's first sample."""
+    history = {}
+    while True:
+        try:
+            _fit_from(
+                cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir
+            ).update_into(history)
+            return history, plan
+        except tf.errors.ResourceExhaustedError as error:
+            recover = cfg.oom == OutOfMemory.recover
+            smaller = smaller_plan(plan)
+            if recover and smaller is not None and cfg.jit_compile:
+                _stop_for_resume(plan, smaller, run_dir, error)
+            rewound = _window_start(callbacks).rewind() if recover else None
+            if rewound is None or smaller is None:
+                raise TrainingFailed(out_of_memory_message(plan, recover, error)) from None
+            position = position_in(rewound, plan, smaller)
+            plan = smaller
+            schedule = _replan(cfg, plan, data, job, callbacks, error)
+            if cfg.checkpoint and is_chief():
+                state.save(*position)
+            if is_chief():
+                write_json(
+                    os.path.join(run_dir, BATCH_PLAN_FILE),
+                    _plan_record(
+                        plan, "oom=recover", oom_recoveries=_window_start(callbacks).count
+                    ),
+                )
+
+
+def _stop_for_resume(plan, smaller, run_dir, error):
+    """Under XLA an out-of-memory error leaves the variables unusable (TensorFlow 2.21 frees their
+    memory when the compiled program fails to allocate: docs/batch.md), so the run stops; the
+    smaller plan is recorded for resume=true, which goes on from the last checkpoint."""
+    saved = read_json(os.path.join(run_dir, BATCH_PLAN_FILE)) or {}
+    if is_chief():
+        write_json(
+            os.path.join(run_dir, BATCH_PLAN_FILE),
+            _plan_record(
+                smaller,
+                "oom=recover",
+                oom_recoveries=saved.get("oom_recoveries", 0) + 1,
+                # The checkpoints count micro-batches of this size until the next one is saved.
+                checkpoint_micro_batch_size=saved.get(
+                    "checkpoint_micro_batch_size", plan.micro_batch_size
+                ),
+            ),
+        )
+    raise ProcessUnusable(
+        f"Out of device memory at micro_batch_size={plan.micro_batch_size} ({oom_line(error)}) "
+        "inside an XLA program (jit_compile=true), after which TensorFlow's variables cannot be "
+        "used again in this process. Run the same command with resume=true: it goes on from the "
+        f"last checkpoint with micro_batch_size={smaller.micro_batch_size} x accum_steps="
+        f"{smaller.accum_steps} (the same effective batch of {plan.effective_batch_size})."
+    )
+
+
+def _window_start(callbacks):
+    return next(callback for callback in callbacks if isinstance(callback, WindowStart))
+
+
+def _replan(cfg, plan, data, job, callbacks, error):
+    """The job set up for ``plan`` after an out-of-memory error; the new schedule."""
+    schedule = plan_schedule(cfg, plan, data.train_size)
+    set_accum_steps(job.model, plan.accum_steps, schedule.steps_per_execution)
+    window_start = _window_start(callbacks)
+    window_start.count += 1
+    for callback in callbacks:
+        if hasattr(callback, "replan"):
+            callback.replan(plan, window_start.count)
+    make_console().print(
+        f"out of device memory ({oom_line(error)}); the window starts again with micro_batch_size="
+        f"{plan.micro_batch_size} x accum_steps={plan.accum_steps} (effective batch "
+        f"{plan.effective_batch_size} kept, recovery {window_start.count})",
+        style="yellow",
+        soft_wrap=True,
+    )
+    return schedule
+
+
+def _fit_from(cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir):
+    """fit() from ``position`` to the end of training, one call per segment; a :class:`_History`
+    of what each segment's fit() returned."""
+    history = _History()
     validation = None
     if data.validation is not None:
         validation = data.validation.batch(plan.global_micro_batch_size)
-    history = {}
     per_epoch = schedule.epoch_length % schedule.steps_per_execution != 0
     for first, end, steps, offset in _segments(
         position, schedule.epoch_length, cfg.epochs, per_epoch
@@ -554,6 +763,14 @@ def run_fit(cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, po
     return history
 
 
+class _History(dict):
+    """Metric name -> values per epoch, over several fit() calls."""
+
+    def update_into(self, history):
+        for key, values in self.items():
+            history.setdefault(key, []).extend(values)
+
+
 def save_results(cfg, plan, job, history, run_dir, chief, console):
     """model.keras (atomically), result.json and the summary table; the final metrics."""
     model, accumulator = job.model, job.accumulator
@@ -583,6 +800,8 @@ def save_results(cfg, plan, job, history, run_dir, chief, console):
             micro_step=micro_steps,
             gradient_noise_scale=(noise or {}).get("noise_scale") or None,
             effective_batch_size=plan.effective_batch_size,
+            micro_batch_size=plan.micro_batch_size,
+            accum_steps=plan.accum_steps,
             weights_sha256=fingerprint,
             host_peak_rss_bytes=host_memory_bytes()[1],
         )

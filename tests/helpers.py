@@ -219,6 +219,43 @@ def compose_config(*overrides):
         return compose("train", overrides=[*quiet, *overrides])
 
 
+def ga_train_big_batch_reference(cfg, window):
+    """The final weights of ga-train's job ``cfg`` (momentum SGD, a constant learning rate)
+    trained by plain Keras on one device: one ``train_on_batch`` per ``window`` samples.
+
+    ga-train's own model and data (same builder, seed and so initial weights; same training
+    split) read in ga-train's order: pass ``p`` over the data is shuffled with that pass's seed
+    (``pass_order``, which test_nonfinite checks against the stream ga-train reads), and a window
+    is the next ``window`` samples of it, the last one of an epoch short (partial_window=apply).
+    """
+    from gacli.data import load_dataset
+    from gacli.models import build_model
+    from gacli.runstate import pass_order
+
+    assert (cfg.optimizer.name.value, cfg.optimizer.schedule.value) == ("momentum", "constant")
+    data = load_dataset(cfg.dataset, cfg.seed)
+    x, y = (np.stack(column) for column in zip(*data.train.as_numpy_iterator()))
+    keras.utils.set_random_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
+    model.compile(
+        optimizer=keras.optimizers.SGD(
+            cfg.optimizer.learning_rate, momentum=cfg.optimizer.momentum
+        ),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    for epoch in range(cfg.epochs):
+        order = pass_order(
+            data.train_size,
+            epoch,
+            shuffle_seed=cfg.seed if cfg.dataset.shuffle else None,
+            buffer_size=min(data.train_size, 10_000),
+        )
+        for start in range(0, data.train_size, window):
+            batch = order[start : start + window]
+            model.train_on_batch(x[batch], y[batch])
+    return model.get_weights()
+
+
 def event_tags(run_dir):
     files = glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))
     assert len(files) == 1, files

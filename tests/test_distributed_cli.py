@@ -10,17 +10,13 @@ import re
 import subprocess
 import sys
 
-import keras
-import numpy as np
 import pytest
 from allreduce_bytes import free_ports
 
-from gacli.data import load_dataset
-from gacli.models import build_model
-from gacli.runstate import pass_order
 from helpers import (
     compose_config,
     final_weights,
+    ga_train_big_batch_reference,
     record,
     run_difference,
     run_dir_of,
@@ -89,34 +85,10 @@ def fingerprint(output):
 @pytest.fixture(scope="module")
 def plain_keras_weights():
     """WORKER_JOB trained by plain Keras on one device, one ``train_on_batch`` per window of
-    WINDOW samples; its final weights.
-
-    ga-train's own model and data (same builder, seed and so initial weights; same training split)
-    read in ga-train's order: pass ``p`` over the data is shuffled with that pass's seed
-    (``pass_order``, which test_nonfinite checks against the stream ga-train reads), and a window
-    is the next WINDOW samples of it, the last one of an epoch short.
-    """
+    WINDOW samples; its final weights."""
     cfg = compose_config(*WORKER_JOB)
-    assert (cfg.optimizer.name.value, cfg.optimizer.schedule.value) == ("momentum", "constant")
     assert cfg.dataset.shuffle and cfg.partial_window.value == "apply"
-    data = load_dataset(cfg.dataset, cfg.seed)
-    x, y = (np.stack(column) for column in zip(*data.train.as_numpy_iterator()))
-    keras.utils.set_random_seed(cfg.seed)
-    model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
-    model.compile(
-        optimizer=keras.optimizers.SGD(
-            cfg.optimizer.learning_rate, momentum=cfg.optimizer.momentum
-        ),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    for epoch in range(cfg.epochs):
-        order = pass_order(
-            data.train_size, epoch, shuffle_seed=cfg.seed, buffer_size=min(data.train_size, 10_000)
-        )
-        for start in range(0, data.train_size, WINDOW):
-            window = order[start : start + WINDOW]
-            model.train_on_batch(x[window], y[window])
-    return model.get_weights()
+    return ga_train_big_batch_reference(cfg, WINDOW)
 
 
 @pytest.fixture(scope="module")

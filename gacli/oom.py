@@ -1,0 +1,114 @@
+"""``oom=recover``: an out-of-memory error in the middle of a run costs one window, not the run.
+
+Before each window's first call, :class:`WindowStart` keeps host copies of what a micro-batch can
+change before the window's update: the engine's shared state (counters, mask, loss scale), the
+model's non-trainable variables (batch-norm statistics, AccumBatchNormalization windows, random
+seeds) and the metrics. Weights and optimizer slots change only at the update, and accumulators are
+zero at every window's start, so nothing larger is copied. When a call fails with
+``tf.errors.ResourceExhaustedError``, the window is put back to its start, the micro-batch halved
+(to its largest divisor at most half of it) and ``accum_steps`` multiplied to keep the effective
+batch, and training goes on from the window's first sample.
+"""
+
+import keras
+
+from gacli.config import BatchPlan
+
+
+class WindowStart(keras.callbacks.Callback):
+    """Keeps the state at the start of the open window, and its place in the data.
+
+    Args:
+        accumulator: the run's GradientAccumulateOptimizer.
+        position: a callable that returns (epoch, micro-batches of it done) at a call's start.
+    """
+
+    def __init__(self, accumulator, position):
+        super().__init__()
+        self.accumulator = accumulator
+        self.position = position
+        self.saved = None
+        self.count = 0  # recoveries so far
+
+    def _model_variables(self):
+        return [*self.model.non_trainable_variables, *self.model.metrics_variables]
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self.accumulator.built or int(self.accumulator.window_micro_steps.numpy()):
+            return
+        self.saved = {
+            "position": self.position(),
+            "engine": self.accumulator.window_start_state(),
+            "model": [variable.numpy() for variable in self._model_variables()],
+            "updates": int(self.accumulator.optimizer_step.numpy()),
+        }
+
+    def rewind(self):
+        """Put the saved window start back; its (epoch, micro-batches done)."""
+        if (
+            self.saved is None
+            or int(self.accumulator.optimizer_step.numpy()) != (self.saved["updates"])
+        ):
+            return None  # the failed call applied an update: the window start is gone
+        self.accumulator.rewind_window(self.saved["engine"])
+        for variable, value in zip(self._model_variables(), self.saved["model"]):
+            variable.assign(value)
+        return self.saved["position"]
+
+
+def smaller_micro_batch(micro_batch_size):
+    """The largest divisor of ``micro_batch_size`` that is at most half of it (None for 1)."""
+    for size in range(micro_batch_size // 2, 0, -1):
+        if micro_batch_size % size == 0:
+            return size
+    return None
+
+
+def smaller_plan(plan):
+    """The plan with the micro-batch from :func:`smaller_micro_batch` and the same effective batch;
+    None when the micro-batch is 1."""
+    size = smaller_micro_batch(plan.micro_batch_size)
+    if size is None:
+        return None
+    return BatchPlan(size, plan.accum_steps * (plan.micro_batch_size // size), plan.replicas)
+
+
+def oom_line(error):
+    """The line of TensorFlow's out-of-memory message that says what did not fit."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if "OOM when allocating" in line or "Out of memory" in line or "RESOURCE_EXHAUSTED" in line:
+            return line.split(" [[")[0][:200]
+    return lines[0][:200] if lines else type(error).__name__
+
+
+def out_of_memory_message(plan, recover, error):
+    """Why a run stopped on an out-of-memory error, and what to type instead."""
+    first_line = oom_line(error)
+    smaller = smaller_plan(plan)
+    advice = (
+        f"micro_batch_size={smaller.micro_batch_size} accum_steps={smaller.accum_steps} (the "
+        f"same effective batch of {plan.effective_batch_size})"
+        if smaller
+        else "a smaller model or input"
+    )
+    if recover:
+        cause = "and it cannot go back to the window's start (the failed call applied an update)"
+        if smaller is None:
+            cause = "and micro_batch_size=1 cannot be halved"
+        return (
+            f"Out of device memory at micro_batch_size={plan.micro_batch_size} ({first_line}), "
+            f"{cause}. Continue from the last checkpoint with resume=true and {advice}."
+        )
+    return (
+        f"Out of device memory at micro_batch_size={plan.micro_batch_size} ({first_line}). Try "
+        f"{advice}, or add oom=recover to halve the micro-batch and go on when this happens, or "
+        "micro_batch_size=auto to find the largest that fits before training."
+    )
+
+
+def position_in(position, old_plan, new_plan):
+    """(epoch, micro-batches done) of ``old_plan`` in micro-batches of ``new_plan``: the same
+    sample (the old micro-batch is a multiple of the new one)."""
+    epoch, done = position
+    return epoch, done * (old_plan.micro_batch_size // new_plan.micro_batch_size)

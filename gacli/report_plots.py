@@ -31,7 +31,7 @@ def _save(figure, axes, lines, path):
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
+            ax.legend(fontsize="small", loc="upper right")  # "best" would search every point
     figure.savefig(path, dpi=100, metadata={"gacli-lines": json.dumps(lines)})
     return path
 

@@ -210,13 +210,9 @@ def _best(values, metric):
 
 
 def _samples_seen(run):
-    """Samples in the run's updates, each update once; from the effective batch size when the
-    event files predate ``batch/update_samples``."""
-    per_update = run.events.values("batch/update_samples")
-    if per_update:
-        return int(sum(per_update))
-    updates = len(run.events.series.get("optimizer/step", []))
-    return updates * (run.batch["effective_batch_size"] or 0) or None
+    """Samples in the run's updates, each update once (None without logged updates)."""
+    seen = samples_at_steps(run)
+    return seen[max(seen)] if seen else None
 
 
 def record(run):
@@ -258,13 +254,20 @@ def record(run):
 
 
 def samples_at_steps(run):
-    """update step -> samples seen up to and including it."""
+    """update step -> samples in the run's updates up to and including it.
+
+    Each logged point holds ``batch/update_samples``, the samples of its own update. A point that
+    follows the previous one by several updates (``steps_per_execution`` above ``accum_steps``
+    applies several in one call) adds a full effective batch for each update in between: only an
+    epoch's last window can be short. Event files that predate ``batch/update_samples`` count a
+    full effective batch per update.
+    """
+    effective = run.batch["effective_batch_size"] or 0
     per_update = run.events.series.get("batch/update_samples")
     if not per_update:
-        effective = run.batch["effective_batch_size"] or 0
         return {p.step: p.step * effective for p in run.events.series.get("optimizer/step", [])}
-    seen, total = {}, 0
+    seen, total, previous = {}, 0, 0
     for point in per_update:
-        total += point.value
-        seen[point.step] = int(total)
+        total += point.value + max(point.step - previous - 1, 0) * effective
+        seen[point.step], previous = int(total), point.step
     return seen

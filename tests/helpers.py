@@ -9,8 +9,10 @@ pyproject.toml), and a script run as ``python tests/<script>.py`` has its own fo
 
 import glob
 import os
+import signal
 import subprocess
 import sys
+import time
 from importlib import resources
 
 import keras
@@ -188,15 +190,54 @@ def agc_big_batch_reference(make_optimizer, windows, x, y, clip_factor, eps=1e-3
 
 
 # ga-train as a user runs it, and what its runs leave behind.
-def ga_train(*arguments, cwd, timeout=600, env=None):
-    """Run the installed ga-train; returns (exit code, stdout + stderr)."""
-    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *arguments]
+def console_script(name, *arguments, cwd, timeout=600, env=None):
+    """Run the installed console script ``name``; returns (exit code, stdout + stderr)."""
+    command = [os.path.join(os.path.dirname(sys.executable), name), *arguments]
     environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     environment.update(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
     result = subprocess.run(
         command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environment
     )
     return result.returncode, result.stdout + result.stderr
+
+
+def ga_train(*arguments, cwd, timeout=600, env=None):
+    """Run the installed ga-train; returns (exit code, stdout + stderr)."""
+    return console_script("ga-train", *arguments, cwd=cwd, timeout=timeout, env=env)
+
+
+def ga_report(*arguments, cwd, timeout=120):
+    """Run the installed ga-report; returns (exit code, stdout + stderr)."""
+    return console_script("ga-report", *arguments, cwd=cwd, timeout=timeout)
+
+
+def start_ga_train(*arguments, cwd):
+    """Start the installed ga-train in the background; its Popen (stdout and stderr in one)."""
+    environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "ga-train"), *arguments],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(environment, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+
+
+def interrupt_after_checkpoints(cwd, count, arguments, label="default"):
+    """Start ga-train with ``arguments`` in ``cwd``, wait for ``count`` checkpoints of its run under
+    outputs/``label``/, SIGTERM it (it saves one more and exits 143); the run directory."""
+    process = start_ga_train(*arguments, cwd=cwd)
+    pattern = os.path.join(cwd, "outputs", label, "*", "checkpoints", "ckpt-*.index")
+    deadline = time.time() + 300
+    while len(glob.glob(pattern)) < count:
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode == 128 + signal.SIGTERM, output
+    (run_dir,) = glob.glob(os.path.join(cwd, "outputs", label, "*"))
+    return run_dir
 
 
 def run_dir_of(output):

@@ -11,7 +11,14 @@ import time
 
 import pytest
 
-from helpers import ga_train, record, run_difference, run_dir_of
+from helpers import (
+    ga_train,
+    interrupt_after_checkpoints,
+    record,
+    run_difference,
+    run_dir_of,
+    start_ga_train,
+)
 
 # The default job, shortened; a checkpoint every 3 updates lands inside epochs (45 micro-batches,
 # 12 updates each), so a kill usually resumes from the middle of an epoch and of a window.
@@ -20,17 +27,7 @@ JOB = ("epochs=3", "progress=plain", "checkpoint_every_updates=3", "accum_steps=
 
 def start_and_interrupt(cwd, number, arguments=JOB):
     """Start ga-train, wait for its first checkpoint, send ``number``; (exit code, output)."""
-    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *arguments]
-    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    environment.pop("HYDRA_FULL_ERROR", None)
-    process = subprocess.Popen(
-        command,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=environment,
-    )
+    process = start_ga_train(*arguments, cwd=cwd)
     deadline = time.time() + 300
     while not glob.glob(os.path.join(cwd, "outputs", "default", "*", "checkpoints", "checkpoint")):
         assert process.poll() is None and time.time() < deadline, process.communicate()[0]
@@ -172,30 +169,6 @@ def test_a_stream_of_many_passes_holds_the_data_once():
     assert growth < 3 * 16 * 2**20, done.stdout + done.stderr[-2000:]
 
 
-def interrupt_after_checkpoints(cwd, count):
-    """Start the job, wait for ``count`` checkpoints, SIGTERM it (it saves one more); the run
-    directory."""
-    command = [os.path.join(os.path.dirname(sys.executable), "ga-train"), *JOB]
-    process = subprocess.Popen(
-        command,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-    )
-    pattern = os.path.join(cwd, "outputs", "default", "*", "checkpoints", "ckpt-*.index")
-    deadline = time.time() + 300
-    while len(glob.glob(pattern)) < count:
-        assert process.poll() is None and time.time() < deadline, process.communicate()[0]
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    output = process.communicate(timeout=300)[0]
-    assert process.returncode == 128 + signal.SIGTERM, output
-    (run_dir,) = glob.glob(os.path.join(cwd, "outputs", "default", "*"))
-    return run_dir
-
-
 def newest_checkpoint(run_dir):
     numbers = [
         int(path.rsplit("ckpt-", 1)[1].split(".")[0])
@@ -213,7 +186,7 @@ def truncate(prefix):
 @pytest.fixture(scope="module")
 def interrupted_run(tmp_path_factory):
     """A SIGTERM'd run with two checkpoints (the newest saved at the signal), to copy and damage."""
-    return interrupt_after_checkpoints(tmp_path_factory.mktemp("interrupted"), 1)
+    return interrupt_after_checkpoints(tmp_path_factory.mktemp("interrupted"), 1, JOB)
 
 
 DAMAGE = {

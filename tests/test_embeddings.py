@@ -140,9 +140,9 @@ def table_sized_tensors(graph, table_size):
 )
 def test_e5_an_accumulation_step_builds_no_table_sized_tensor(settings):
     """The traced micro-step (forward, backward, unscaling, non-finite check, squared norm,
-    accumulation) holds nothing as large as the table: the dense copy that densifying the
-    gradient made, 8 of them with loss scaling, is gone. The window's update (a graph
-    conditional) may read the table once a window."""
+    accumulation) holds nothing as large as the table. Densifying the gradient, as gacli did
+    before, made 1 such tensor a micro-batch, 7 with these settings. The window's update (a
+    graph conditional) may read the table once a window."""
     # A table larger than any activation of the step (16 x 6 x 8 values).
     vocabulary = 1000
     model = embedding_model(vocabulary=vocabulary)

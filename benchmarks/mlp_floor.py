@@ -42,7 +42,10 @@ MICRO, K = 32, 8
 def loss_gradients(model, loss_fn):
     """``gradients(x, y)``: the gradients of ``loss_fn`` on ``model`` for one batch."""
 
-    gradients = loss_gradients(model, loss_fn)
+    def gradients(x_part, y_part):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y_part, model(x_part, training=True))
+        return tape.gradient(loss, model.trainable_variables)
 
     return gradients
 

@@ -240,11 +240,12 @@ def build_library_config(spec):
     return model, data, batch_size
 
 
-def run_library_config(spec, timer_window):
-    """A, B, C and gacli's two wrappers: build, compile and fit in this process."""
+def run_library_config(spec, timer_window, build=None):
+    """A, B, C and gacli's two wrappers (or what ``build(spec)`` returns as (compiled model,
+    repeated dataset, batch size)): build, compile and fit in this process."""
     import gacli
 
-    model, data, batch_size = build_library_config(spec)
+    model, data, batch_size = (build or build_library_config)(spec)
 
     def read_updates():
         accumulator = gacli.find_accumulating_optimizer(model.optimizer)
@@ -361,7 +362,8 @@ def run_ga_train(spec, timer_window, job_dir):
     )
 
 
-def run_worker(spec):
+def run_worker(spec, build=None):
+    """One configuration in this process; ``build``: as for :func:`run_library_config`."""
     import tensorflow as tf
 
     # Before any op runs: the same thread pools for every configuration.
@@ -375,7 +377,7 @@ def run_worker(spec):
     if spec["config"] == "ga_train":
         figures = run_ga_train(spec, timer_window, spec["job_dir"])
     else:
-        figures = run_library_config(spec, timer_window)
+        figures = run_library_config(spec, timer_window, build)
     device_peak = None
     if tf.config.list_physical_devices("GPU"):
         device_peak = tf.config.experimental.get_memory_info("GPU:0")["peak"]
@@ -426,12 +428,18 @@ def failure_reason(stderr):
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-def run_job(spec, work_dir, threads, timeout_s):
+def run_job(spec, work_dir, threads, timeout_s, script=None):
+    """Run ``script`` (default: this one) with ``--worker spec`` in a fresh process."""
     name = f"{spec['rep']}_{spec['model_key']}_jit{int(spec['jit'])}_{spec['config']}"
     job_dir = Path(work_dir) / name
     job_dir.mkdir(parents=True)
     spec = dict(spec, job_dir=str(job_dir), result_path=str(job_dir / "result.json"))
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    command = [
+        sys.executable,
+        str(script or Path(__file__).resolve()),
+        "--worker",
+        json.dumps(spec),
+    ]
     record = {key: spec[key] for key in ("rep", "model_key", "jit", "config")}
     started = time.perf_counter()
     try:

@@ -39,6 +39,34 @@ import tensorflow as tf  # noqa: E402
 MICRO, K = 32, 8
 
 
+def loss_gradients(model, loss_fn):
+    """``gradients(x, y)``: the gradients of ``loss_fn`` on ``model`` for one batch."""
+
+    def gradients(x_part, y_part):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y_part, model(x_part, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+
+    return gradients
+
+
+def interleaved_medians(variants, repeats, windows, wait):
+    """{name: median seconds per window}: each of ``variants`` (callables running one window)
+    traced and warmed up, then timed ``windows`` at a time, the variants interleaved in each of
+    ``repeats`` rounds; ``wait()`` returns once the last step has run."""
+    for run in variants.values():
+        run()
+    times = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            start = time.perf_counter()
+            for _ in range(windows):
+                run()
+            wait()
+            times[name].append((time.perf_counter() - start) / windows)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def build():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((784,))
@@ -63,10 +91,7 @@ def main():
     x = tf.constant(rng.normal(size=(MICRO * K, 784)).astype("float32"))
     y = tf.constant(rng.integers(0, 10, size=MICRO * K).astype("int32"))
 
-    def gradients(x_part, y_part):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y_part, model(x_part, training=True))
-        return tape.gradient(loss, model.trainable_variables)
+    gradients = loss_gradients(model, loss_fn)
 
     @tf.function(jit_compile=args.jit)
     def big():
@@ -146,17 +171,12 @@ def main():
         "grads-256": big_gradients,
         "add-8": add_8,
     }
-    for run in variants.values():  # trace and warm up
-        run()
-    times = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, run in variants.items():  # interleaved
-            start = time.perf_counter()
-            for _ in range(args.windows):
-                run()
-            model.trainable_variables[0].numpy()  # wait for the last step
-            times[name].append((time.perf_counter() - start) / (args.windows * MICRO * K))
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians = {
+        name: seconds / (MICRO * K)
+        for name, seconds in interleaved_medians(
+            variants, args.repeats, args.windows, model.trainable_variables[0].numpy
+        ).items()
+    }
     print(
         f"MLP 784-512-256-10, micro {MICRO} x {K} vs batch {MICRO * K}, jit_compile={args.jit},"
         f" {args.repeats} interleaved repeats of {args.windows} windows"

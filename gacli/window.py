@@ -18,6 +18,41 @@ import tensorflow as tf
 from gacli.options import NonFinite, Reduction
 
 
+def _all_finite(gradient):
+    """Whether every element of ``gradient`` is finite; a sparse one's rows only (its other
+    rows are zeros)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        gradient = gradient.values
+    return tf.reduce_all(tf.math.is_finite(gradient))
+
+
+def _squared_norm_of_rows(values, indices):
+    """The squared norm of the dense tensor that rows ``values`` at ``indices`` (repeats
+    allowed) add up to: repeated rows are summed first, then squared (the norm of the
+    gradient, not the sum of its occurrences' norms). Sorting gives the repeats static shapes,
+    so XLA compiles it; the cost is that of sorting the micro-batch's rows."""
+    order = tf.argsort(indices)
+    ordered = tf.gather(indices, order)
+    starts = tf.concat([[0], tf.cast(ordered[1:] != ordered[:-1], "int32")], axis=0)
+    rows = tf.math.unsorted_segment_sum(
+        tf.gather(tf.cast(values, "float32"), order),
+        tf.cumsum(starts),
+        num_segments=tf.shape(indices)[0],
+    )
+    return tf.reduce_sum(tf.square(rows))
+
+
+def _scatter_add(variable, rows):
+    """Add ``rows`` (IndexedSlices) into ``variable``. By its handle: a ``keras.Variable`` has no
+    scatter, and a per-replica (on-read) variable refuses one, but in replica context its handle
+    is this replica's own copy."""
+    if not isinstance(variable, tf.Variable):
+        variable = variable.value
+    tf.raw_ops.ResourceScatterAdd(
+        resource=variable.handle, indices=rows.indices, updates=rows.values
+    )
+
+
 def _value(variable):
     """A variable's value; read in cross-replica context, a per-replica one comes summed."""
     return tf.convert_to_tensor(variable)
@@ -64,22 +99,33 @@ class Window:
         """Add one micro-batch. ``gradients``: {variable index: gradient}; ``factor``: what each
         gradient is multiplied by first (None: 1); ``keep``: a boolean tensor, False to leave the
         micro-batch out (None: always keep). With ``squared_norm``, returns the squared norm of
-        what was added (before ``keep``), taken from the same products."""
+        what was added (before ``keep``), taken from the same products.
+
+        A sparse gradient (``tf.IndexedSlices``, an embedding's) is added row by row with a
+        scatter: every cost here is proportional to the micro-batch's rows, never the table's
+        (contract row E5)."""
         mask = [0] * len(self.accumulators)
         squares = []
         for index, gradient in gradients.items():
             mask[index] = 1
             accumulator = self.accumulators[index]
-            # Sparse (IndexedSlices) gradients are densified here; contract row E5 is open.
-            contribution = tf.cast(tf.convert_to_tensor(gradient), accumulator.dtype)
+            sparse = isinstance(gradient, tf.IndexedSlices)
+            contribution = tf.cast(gradient.values if sparse else gradient, accumulator.dtype)
             if factor is not None:
                 contribution = contribution * tf.cast(factor, accumulator.dtype)
             if squared_norm:
-                squares.append(tf.reduce_sum(tf.square(tf.cast(contribution, "float32"))))
+                squares.append(
+                    _squared_norm_of_rows(contribution, gradient.indices)
+                    if sparse
+                    else tf.reduce_sum(tf.square(tf.cast(contribution, "float32")))
+                )
             if keep is not None:
                 # where, not multiplication: 0 * inf is nan.
                 contribution = tf.where(keep, contribution, tf.zeros_like(contribution))
-            accumulator.assign_add(contribution)
+            if sparse:
+                _scatter_add(accumulator, tf.IndexedSlices(contribution, gradient.indices))
+            else:
+                accumulator.assign_add(contribution)
         self.gradient_mask.assign(tf.constant(mask, "int32"))
         return tf.add_n(squares) if squared_norm and squares else None
 
@@ -190,7 +236,7 @@ class NonFiniteGuard:
     def keep(self, gradients):
         """A boolean tensor: the micro-batch's gradients are all finite (and, under ``stop``,
         training has not halted: every micro-batch after the first bad one is left out)."""
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in gradients])
+        finite = tf.reduce_all([_all_finite(g) for g in gradients])
         if self.policy is NonFinite.stop:
             finite = tf.logical_and(finite, _value(self.halted_at) == 0)
         return finite

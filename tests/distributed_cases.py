@@ -22,6 +22,8 @@ import gacli  # noqa: E402
 from helpers import (  # noqa: E402
     agc_big_batch_reference,
     big_batch_reference,
+    embedding_big_batch_reference,
+    embedding_layers,
     epoch_windows,
     make_data,
     max_weight_difference,
@@ -29,6 +31,7 @@ from helpers import (  # noqa: E402
     noise_scale_errors,
     noise_scale_run,
     plain_model,
+    token_data,
 )
 
 OPTIMIZERS = {
@@ -41,6 +44,7 @@ OPTIMIZERS = {
     ),
     "momentum-clipvalue": lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipvalue=0.002),
     "sgd-agc": lambda: keras.optimizers.SGD(0.5),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
 }
 EPOCHS = 2
 CLIP_FACTOR = 0.01
@@ -176,6 +180,23 @@ def restored_case(optimizer, replicas=2):
     return max_weight_difference(restored, reference)
 
 
+def embedding_case(optimizer, replicas, samples, micro, accum_steps):
+    """The model wrapper's fit() on the embedding model, whose sparse gradients are accumulated
+    on each replica, against the single-device big batch with repeated rows summed (E5)."""
+    x, y = token_data(samples)
+    windows = epoch_windows(samples, micro * replicas * accum_steps, EPOCHS)
+    reference = embedding_big_batch_reference(OPTIMIZERS[optimizer], windows, x, y)
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        inputs, outputs = embedding_layers()
+        model = gacli.GradientAccumulateModel(
+            accum_steps=accum_steps, inputs=inputs, outputs=outputs
+        )
+        model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse")
+    model.fit(x, y, batch_size=micro * replicas, epochs=EPOCHS, shuffle=False, verbose=0)
+    return max_weight_difference(model, reference)
+
+
 def noise_scale_case(accum_steps):
     """The largest relative error of the noise scale's parts under 2 replicas (each replica's
     micro-batch is a small batch, the window over both replicas the big one)."""
@@ -211,13 +232,16 @@ def cases():
         found[f"optimizer-2replicas-restored-{optimizer}"] = (restored_case, optimizer)
     for accum_steps in (1, 4):
         found[f"noise-scale-2replicas-k{accum_steps}"] = (noise_scale_case, accum_steps)
+    for optimizer in ("momentum", "adam", "adamw"):
+        found[f"embedding-model-2replicas-ragged-{optimizer}"] = (
+            embedding_case, optimizer, *RAGGED)  # fmt: skip
     return found
 
 
-# Run in a process of their own: their model differs from the MLP of the others, and a second
-# MirroredStrategy in one process can reuse the first's collective instance keys, which fails on
-# tensors of another shape (TensorFlow's collectives, not gacli's).
-SEPARATE = "noise-scale"
+# Each group runs in a process of its own: their models differ from the MLP of the others, and a
+# second MirroredStrategy in one process can reuse the first's collective instance keys, which
+# fails on tensors of another shape (TensorFlow's collectives, not gacli's).
+SEPARATE = ("noise-scale", "embedding")
 
 
 def main():
@@ -227,7 +251,7 @@ def main():
     results = {
         name: case[0](*case[1:])
         for name, case in cases().items()
-        if (only in name if only else SEPARATE not in name)
+        if (only in name if only else not any(group in name for group in SEPARATE))
     }
     print("RESULTS " + json.dumps(results))
 

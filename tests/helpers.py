@@ -123,6 +123,59 @@ def epoch_windows(num_samples, window_size, epochs):
     return windows
 
 
+# An embedding model (contract row E5): its table's gradient is a tf.IndexedSlices. Tokens come
+# from a small vocabulary, so rows repeat within a micro-batch and across the micro-batches of a
+# window, and some rows go untouched for a whole window.
+VOCABULARY, SEQUENCE, EMBEDDING_DIM = 50, 6, 8
+
+
+def token_data(num_samples=70, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, VOCABULARY, size=(num_samples, SEQUENCE)).astype("int32")
+    y = rng.normal(size=(num_samples, 1)).astype("float32")
+    return x, y
+
+
+def embedding_layers(seed=0, vocabulary=VOCABULARY):
+    """Symbolic inputs/outputs of an embedding, mean pooling and a Dense head."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((SEQUENCE,), dtype="int32")
+    embedded = keras.layers.Embedding(vocabulary, EMBEDDING_DIM)(inputs)
+    outputs = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(embedded))
+    return inputs, outputs
+
+
+def embedding_model(seed=0, vocabulary=VOCABULARY):
+    return keras.Model(*embedding_layers(seed, vocabulary))
+
+
+def summed_rows(gradient):
+    """``gradient`` with each repeated row of an IndexedSlices summed into one (the TF1
+    optimizers' de-duplication); a dense gradient as it is."""
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    rows, positions = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(rows)[0])
+    return tf.IndexedSlices(values, rows, gradient.dense_shape)
+
+
+def embedding_big_batch_reference(make_optimizer, windows, x, y, form="summed", seed=0):
+    """Plain Keras on the embedding model, one update per window of sample indices, handed the
+    big batch's MSE gradient with repeated rows summed (``form="summed"``: contract row E5's
+    reference), made dense (``"dense"``) or as the tape gives it (``"raw"``: what Keras' own
+    ``fit`` hands its optimizer). Returns the model."""
+    model = embedding_model(seed)
+    optimizer = make_optimizer()
+    loss = keras.losses.MeanSquaredError()  # what compile(loss="mse") computes
+    convert = {"summed": summed_rows, "dense": tf.convert_to_tensor, "raw": lambda g: g}[form]
+    for window in windows:
+        with tf.GradientTape() as tape:
+            value = loss(y[window], model(x[window], training=True))
+        gradients = tape.gradient(value, model.trainable_variables)
+        optimizer.apply_gradients(zip([convert(g) for g in gradients], model.trainable_variables))
+    return model
+
+
 # AGC written from the NFNets paper (Brock et al. 2021, section 4.1): per-unit L2 norms,
 # ``max_norm = clip_factor * max(||w_unit||, eps)``, and a unit whose ``||g_unit||`` exceeds
 # ``max_norm`` is rescaled to ``max_norm / ||g_unit|| * g_unit``. Computed in float64 from the

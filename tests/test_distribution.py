@@ -40,6 +40,11 @@ def noise_scale_results():
     return _run_cases("noise-scale")
 
 
+@pytest.fixture(scope="module")
+def embedding_results():
+    return _run_cases("embedding")
+
+
 CASES = (
     [
         f"{kind}-{optimizer}"
@@ -87,3 +92,17 @@ def test_noise_scale_under_two_replicas_agrees_with_per_example_gradients(
 def test_d1_d3_mirrored_matches_single_device_big_batch(distributed_results, case):
     difference = record(distributed_results[case], f"test_d1_d3_mirrored[{case}]")
     assert difference <= (1e-5 if "adam" in case else 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "case", [f"embedding-model-2replicas-ragged-{o}" for o in ("momentum", "adam", "adamw")]
+)
+def test_e5_sparse_gradients_under_two_replicas_equal_summed_rows_big_batch(
+    embedding_results, case
+):
+    """Contract E5 with D3: each replica scatters its micro-batches' embedding rows into its own
+    accumulator; the window equals the single-device big batch with repeated rows summed."""
+    difference = record(embedding_results[case], f"test_e5_two_replicas[{case}]")
+    assert difference <= (1e-6 if "momentum" in case else 1e-5)

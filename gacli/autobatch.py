@@ -14,6 +14,7 @@ given the chosen size by hand (tests/test_autobatch.py).
 """
 
 import dataclasses
+import logging
 import time
 
 import numpy as np
@@ -157,7 +158,14 @@ def find_micro_batch_size(model, strategy, train, candidates, settings, prepare)
         finally:
             snapshot.restore()
 
-    probes = search(run_one, candidates)
+    # Every size is a new trace by design: TensorFlow's retracing warning says nothing here.
+    tf_logger = logging.getLogger("tensorflow")
+    level = tf_logger.level
+    tf_logger.setLevel(logging.ERROR)
+    try:
+        probes = search(run_one, candidates)
+    finally:
+        tf_logger.setLevel(level)
     return choose(probes, candidates, settings.pick.value, settings.margin), probes
 
 

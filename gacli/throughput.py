@@ -102,11 +102,17 @@ class TrainingClock(keras.callbacks.Callback):
         self.seconds = 0.0  # in training calls after the first one
         self._first_counted = None  # micro-batches done when the first call ended
         self._call_start = None
+        # A call after an out-of-memory recovery compiles again: its samples are not counted.
+        self._uncounted_from = None
+        self._uncounted = 0
 
     def replan(self, plan, recoveries):
-        """Micro-batches of ``plan``'s size from the current micro-step on (``oom=recover``)."""
+        """Micro-batches of ``plan``'s size from the current micro-step on (``oom=recover``).
+        The next call traces and compiles the step for them: like the run's first call, it is
+        not counted."""
         at = int(self.accumulator.micro_step.numpy())
         self.layout = ChangedLayout(self.layout, at, plan.global_micro_batch_size)
+        self._uncounted_from = at
 
     def on_train_batch_begin(self, batch, logs=None):
         self._call_start = time.perf_counter()
@@ -116,6 +122,10 @@ class TrainingClock(keras.callbacks.Callback):
         if self.first_call_seconds is None:
             self.first_call_seconds = elapsed
             self._first_counted = int(self.accumulator.micro_step.numpy())
+        elif self._uncounted_from is not None:
+            now = int(self.accumulator.micro_step.numpy())
+            self._uncounted += self.layout.samples_in(self._uncounted_from, now)
+            self._uncounted_from = None
         else:
             self.seconds += elapsed
 
@@ -124,4 +134,5 @@ class TrainingClock(keras.callbacks.Callback):
         the run."""
         if self._first_counted is None:
             return 0, 0.0
-        return self.layout.samples_in(self._first_counted, micro_step), self.seconds
+        samples = self.layout.samples_in(self._first_counted, micro_step) - self._uncounted
+        return samples, self.seconds

@@ -55,6 +55,30 @@ def test_the_micro_batch_halves_to_a_divisor_and_the_position_follows_the_sample
     assert layout.samples_before(4) == 14 and layout.samples_before(7) == 20
 
 
+def test_the_call_that_compiles_again_after_a_recovery_is_not_timed():
+    import tensorflow as tf
+
+    from gacli.throughput import TrainingClock
+
+    class Counter:
+        micro_step = tf.Variable(0, dtype="int64")
+
+    clock = TrainingClock(Counter, train_size=10, global_micro_batch_size=4)
+    for end in (1, 2, 4):  # the first call, then two counted ones (the pass's 2-sample batch)
+        clock.on_train_batch_begin(0)
+        Counter.micro_step.assign(end)
+        clock.on_train_batch_end(0)
+    counted = clock.seconds
+    clock.replan(BatchPlan(2, 2, 1), 1)  # from micro-batch 4 on, micro-batches of 2
+    for end in (6, 8):  # the compiling call, then one counted
+        clock.on_train_batch_begin(0)
+        Counter.micro_step.assign(end)
+        clock.on_train_batch_end(0)
+    samples, seconds = clock.reading(8)
+    # Counted: micro-batches 1..3 (4, 2 and 4 samples) and 6..7 (2 and 2); 0 traced, 4..5 compiled.
+    assert samples == 14 and seconds > counted
+
+
 def test_rewind_puts_back_batch_norm_statistics_counters_and_accumulators():
     import gacli
 

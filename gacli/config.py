@@ -483,6 +483,14 @@ def _validate_batch_choice(cfg):
             f"auto_batch.max_micro_batch_size={auto.max_micro_batch_size} must be >= 1, or null "
             "for the size of the training data."
         )
+    several_workers = cfg.strategy.name == StrategyName.multi_worker
+    if several_workers and (cfg.micro_batch_size == AUTO or cfg.oom == OutOfMemory.recover):
+        raise ConfigError(
+            "micro_batch_size=auto and oom=recover work on one machine only: under "
+            "strategy=multi_worker one worker's out-of-memory error would leave the others "
+            "waiting in an exchange. Probe on one machine (micro_batch_size=auto strategy="
+            "mirrored) and give every worker the micro_batch_size it chose."
+        )
     if cfg.oom != OutOfMemory.recover:
         return
     if cfg.partial_window == PartialWindow.carry:

@@ -173,6 +173,8 @@ def test_bad_settings_are_refused_before_training(tmp_path):
     assert code == 2 and "GACLI_FAKE_OOM_ABOVE='many' must be a whole number" in output, output
     code, output = ga_train(*JOB, "oom=recover", "partial_window=carry", cwd=tmp_path)
     assert code == 2 and "use partial_window=apply (or drop) with oom=recover" in output, output
+    code, output = ga_train(*JOB, "oom=recover", "strategy=multi_worker", cwd=tmp_path)
+    assert code == 2 and "work on one machine only" in output, output
 
 
 @pytest.mark.slow

@@ -671,6 +671,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         rest (accumulators and per-replica sums) is zero at every window's start."""
         return [variable.numpy() for variable in self._shared_state]
 
+    @property
+    def shared_state(self):
+        """The variables :meth:`window_start_state` reads, in its order (once built)."""
+        return list(self._shared_state)
+
     def rewind_window(self, start_state):
         """Back to the start of the open window after a call failed part-way (an out-of-memory
         error between two micro-batches, or inside one): the accumulators and per-replica sums

@@ -142,6 +142,10 @@ class Run:
         return text + (f", resumed {starts - 1}x" if starts > 1 else "")
 
 
+def _first_known(*values):
+    return next((value for value in values if value is not None), None)
+
+
 def read_run_dir(path):
     """The :class:`Run` in directory ``path``."""
     listed = _load_yaml(os.path.join(path, ".hydra", "overrides.yaml")) or []
@@ -151,8 +155,10 @@ def read_run_dir(path):
         overrides[key.lstrip("+~")] = value
     events = read_run(path)
     resolved = (_load_yaml(os.path.join(path, "resolved.yaml")) or {}).get("resolved") or {}
+    # What the run trained with last (oom=recover may have halved the micro-batch), else what
+    # it started with.
     batch = {
-        key: resolved.get(key, events.last(tag))
+        key: _first_known(events.last(tag), resolved.get(key))
         for key, tag in (
             ("micro_batch_size", "batch/micro_size"),
             ("accum_steps", "batch/accum_steps"),

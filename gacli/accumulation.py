@@ -264,7 +264,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.agc_unit_axes = agc_unit_axes
         # Compiled flush/discard functions, by (kind, variables with gradients): a cache only.
         self._window_functions = {}
-        # The state variables that hold one value for all replicas (see window_start_state).
+        # The state variables that hold one value for all replicas (see shared_state).
         self._shared_state = []
         self._constructed = True
 
@@ -665,21 +665,18 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._run_window_function("discard")
 
     # -- going back to a window's start (ga-train's oom=recover) ---------------------------------
-    def window_start_state(self):
-        """Host copies of the state that holds one value for all replicas (counters, mask, loss
-        scale, noise-scale averages), read at a window's start for :meth:`rewind_window`. The
-        rest (accumulators and per-replica sums) is zero at every window's start."""
-        return [variable.numpy() for variable in self._shared_state]
-
     @property
     def shared_state(self):
-        """The variables :meth:`window_start_state` reads, in its order (once built)."""
+        """The state variables that hold one value for all replicas (counters, mask, loss scale,
+        noise-scale averages), once built: what :meth:`rewind_window` puts back. The rest
+        (accumulators and per-replica sums) is zero at every window's start."""
         return list(self._shared_state)
 
     def rewind_window(self, start_state):
         """Back to the start of the open window after a call failed part-way (an out-of-memory
         error between two micro-batches, or inside one): the accumulators and per-replica sums
-        are zeroed, and ``start_state`` (from :meth:`window_start_state`) is put back."""
+        are zeroed, and ``start_state`` (values of :attr:`shared_state`, in its order) is put
+        back."""
         self._run_window_function("discard", force=True)
         for variable, value in zip(self._shared_state, start_state):
             variable.assign(value)

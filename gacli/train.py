@@ -640,9 +640,11 @@ def run_fit(cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, po
     history = {}
     while True:
         try:
-            _fit_from(
+            done = _fit_from(
                 cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir
-            ).update_into(history)
+            )
+            for key, values in done.items():
+                history.setdefault(key, []).extend(values)
             return history, plan
         except tf.errors.ResourceExhaustedError as error:
             recover = cfg.oom == OutOfMemory.recover
@@ -717,9 +719,9 @@ def _replan(cfg, plan, data, job, callbacks, error):
 
 
 def _fit_from(cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir):
-    """fit() from ``position`` to the end of training, one call per segment; a :class:`_History`
-    of what each segment's fit() returned."""
-    history = _History()
+    """fit() from ``position`` to the end of training, one call per segment; what the segments'
+    fit() calls returned, metric name -> values per epoch."""
+    history = {}
     validation = None
     if data.validation is not None:
         validation = data.validation.batch(plan.global_micro_batch_size)
@@ -761,14 +763,6 @@ def _fit_from(cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, 
         # Resumed after the last epoch's checkpoint: only the end of training is left.
         job.model.optimizer.finalize_variable_values(job.model.trainable_variables)
     return history
-
-
-class _History(dict):
-    """Metric name -> values per epoch, over several fit() calls."""
-
-    def update_into(self, history):
-        for key, values in self.items():
-            history.setdefault(key, []).extend(values)
 
 
 def save_results(cfg, plan, job, history, run_dir, chief, console):

@@ -95,15 +95,15 @@ def test_rewind_puts_back_batch_norm_statistics_counters_and_accumulators():
     start.set_model(model)
     start.on_train_batch_begin(0)
     before = [v.numpy() for v in model.variables]
-    counters = accumulator.window_start_state()
+    counters = [variable.numpy() for variable in accumulator.shared_state]
     model.train_on_batch(x[16:20], y[16:20, :1])  # half a window: statistics and sums move
     assert int(accumulator.window_micro_steps.numpy()) == 1
     assert any(np.any(a.numpy()) for a in accumulator._window.accumulators)
     assert start.rewind() == (0, 4)
     assert int(accumulator.window_micro_steps.numpy()) == 0
     assert not any(np.any(a.numpy()) for a in accumulator._window.accumulators)
-    for saved, now in zip(counters, accumulator.window_start_state()):
-        np.testing.assert_array_equal(saved, now)
+    for saved, variable in zip(counters, accumulator.shared_state):
+        np.testing.assert_array_equal(saved, variable.numpy())
     for saved, variable in zip(before, model.variables):
         np.testing.assert_array_equal(saved, variable.numpy())
 

@@ -196,11 +196,3 @@ class PreciseBatchNorm(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._training = False
         self._recompute_if_trained()
-
-
-def precise_batchnorm_callback(train, micro_batch_size, micro_batches, seed, buffer_size=10_000):
-    """``ga-train``'s :class:`PreciseBatchNorm`: ``micro_batches`` micro-batches of the unbatched
-    training pairs ``train``, shuffled with their own seed (so they do not depend on, or move,
-    the training order) and batched at the training micro-batch size per replica."""
-    data = train.shuffle(buffer_size, seed=seed, reshuffle_each_iteration=False)
-    return PreciseBatchNorm(data.batch(micro_batch_size), micro_batches=micro_batches)

@@ -13,6 +13,7 @@ collective); only the chief writes into the run directory, the others into a tem
 that is removed afterwards.
 """
 
+import dataclasses
 import glob
 import os
 import shutil
@@ -33,40 +34,67 @@ def pass_seed(seed, pass_index):
     return (seed * 1_000_003 + pass_index) % (2**31 - 1)
 
 
-def pass_order(size, pass_index, shuffle_seed=None, buffer_size=10_000):
-    """The order in which pass ``pass_index`` of :func:`micro_batch_stream` reads the ``size``
-    samples: their positions in the unshuffled data set. tf.data's seeded shuffle orders by the
-    seed, buffer and count alone, never by the elements, so a range of positions shuffles as the
-    data does."""
-    positions = tf.data.Dataset.range(size)
-    if shuffle_seed is not None:
-        positions = positions.shuffle(
-            buffer_size, seed=pass_seed(shuffle_seed, pass_index), reshuffle_each_iteration=False
+# Samples in tf.data's shuffle buffer: every pass over the training data, the order a halted run's
+# message names its samples in, and the precise batch-norm statistics shuffle with it, so that a
+# resumed run reads exactly the samples the uninterrupted one would have.
+SHUFFLE_BUFFER = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class PassOrder:
+    """How each pass over the training data is shuffled: with its own seed, derived from the
+    run's ``seed`` (``None``: not shuffled), in a buffer of ``buffer_size`` samples.
+
+    Example:
+        >>> order = PassOrder.of(train_size=1438, seed=0)
+        >>> order.positions(1438, pass_index=2)[:3]  # the first samples pass 3 reads
+    """
+
+    seed: int | None = None
+    buffer_size: int = SHUFFLE_BUFFER
+
+    @classmethod
+    def of(cls, train_size, seed):
+        """The order of a training set of ``train_size`` samples (a buffer no larger)."""
+        return cls(seed, min(train_size, SHUFFLE_BUFFER))
+
+    def shuffled(self, dataset, pass_index):
+        """``dataset`` in the order of pass ``pass_index``."""
+        if self.seed is None:
+            return dataset
+        return dataset.shuffle(
+            self.buffer_size, seed=pass_seed(self.seed, pass_index), reshuffle_each_iteration=False
         )
-    return np.fromiter(positions.as_numpy_iterator(), dtype=np.int64, count=size)
+
+    def positions(self, size, pass_index):
+        """The positions in the unshuffled data of the ``size`` samples, in the order pass
+        ``pass_index`` reads them. tf.data's seeded shuffle orders by the seed, buffer and count
+        alone, never by the elements, so a range of positions shuffles as the data does."""
+        positions = self.shuffled(tf.data.Dataset.range(size), pass_index)
+        return np.fromiter(positions.as_numpy_iterator(), dtype=np.int64, count=size)
 
 
-def micro_batch_stream(
-    dataset, batch_size, micro_batches_per_pass, start, count, shuffle_seed=None, buffer_size=10_000
-):
+def pass_order(size, pass_index, shuffle_seed=None, buffer_size=SHUFFLE_BUFFER):
+    """The order in which pass ``pass_index`` of :func:`micro_batch_stream` reads the ``size``
+    samples: :meth:`PassOrder.positions`."""
+    return PassOrder(shuffle_seed, buffer_size).positions(size, pass_index)
+
+
+def micro_batch_stream(dataset, batch_size, micro_batches_per_pass, start, count, order=None):
     """Micro-batches ``start .. start + count - 1`` of the run, as one ``tf.data`` pipeline.
 
-    Pass ``p`` over ``dataset`` is shuffled with its own seed (``shuffle_seed=None``: not at all)
-    and batched on its own, so its last micro-batch is short when the data does not divide. The
-    same ``start`` gives the same micro-batches in any process: that is what makes a resumed run
-    equal to an uninterrupted one.
+    Pass ``p`` over ``dataset`` is shuffled as ``order`` (a :class:`PassOrder`; ``None``: not
+    shuffled) says and batched on its own, so its last micro-batch is short when the data does not
+    divide. The same ``start`` gives the same micro-batches in any process: that is what makes a
+    resumed run equal to an uninterrupted one.
     """
+    order = order or PassOrder()
     per_pass = micro_batches_per_pass
     first, offset = divmod(start, per_pass)
     last = (start + count - 1) // per_pass
 
     def one_pass(index):
-        data = dataset
-        if shuffle_seed is not None:
-            data = data.shuffle(
-                buffer_size, seed=pass_seed(shuffle_seed, index), reshuffle_each_iteration=False
-            )
-        return data.batch(batch_size)
+        return order.shuffled(dataset, index).batch(batch_size)
 
     passes = [one_pass(index) for index in range(first, last + 1)]
     passes[0] = passes[0].skip(offset)

@@ -1,12 +1,15 @@
 """``train(cfg) -> metrics``: one ``ga-train`` job, from a composed config to a trained model.
 
 The Hydra entry point (:mod:`gacli.cli`) only composes the config and calls this; tests call it
-directly. Batch arithmetic is resolved once (:func:`gacli.config.resolve_batch`), printed at start
-and logged.
+directly. A :class:`Run` owns the job: its batch plan (resolved once by
+:func:`gacli.config.resolve_batch`, printed at start and logged), the model and engine, the data
+stream and its order, its callbacks, checkpoints and resume, the out-of-memory re-plan and the
+result. The functions around it take what they use, and can be run one by one.
 """
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -45,7 +48,7 @@ from gacli.models import build_model
 from gacli.oom import WindowStart, oom_line, out_of_memory_message, position_in, smaller_plan
 from gacli.optimizers import build_optimizer
 from gacli.options import BatchNormPolicy
-from gacli.precise_batchnorm import precise_batchnorm_callback
+from gacli.precise_batchnorm import PreciseBatchNorm
 from gacli.run_logging import TensorBoardLogger, host_memory_bytes
 from gacli.rundir import (
     BATCH_PLAN_FILE,
@@ -58,11 +61,11 @@ from gacli.rundir import (
     write_json,
 )
 from gacli.runstate import (
+    PassOrder,
     RunCheckpoint,
     RunState,
     StopSignals,
     micro_batch_stream,
-    pass_order,
     scratch_or,
 )
 from gacli.settings import AccumulationConfig
@@ -74,6 +77,480 @@ _KERAS_POLICY = {
     Policy.mixed_float16: "mixed_float16",
     Policy.mixed_bfloat16: "mixed_bfloat16",
 }
+
+
+def train(cfg, run_dir, given=(), parallel_jobs=False):
+    """Train the job described by ``cfg`` (the arguments are :class:`Run`'s) and return its final
+    metrics: a dict of the last epoch's ``loss``, ``val_loss``, ..."""
+    return Run(cfg, run_dir, given, parallel_jobs).execute()
+
+
+@contextlib.contextmanager
+def _precision_policy(policy):
+    """Keras' global policy set to ``policy`` for the job, and the caller's put back after it
+    (not float32: a notebook that set mixed_bfloat16 keeps it)."""
+    callers_policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(_KERAS_POLICY[policy])
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(callers_policy)
+
+
+class Run:
+    """One ``ga-train`` job, from its plan to its result.
+
+    Its steps, in :meth:`execute`: check the run directory; plan the batch; load the data; settle
+    the plan (a probed or kept micro-batch) and the steps; build the model and engine; make the
+    callbacks; restore a checkpoint; fit, re-planning after an out-of-memory error; save the
+    results. What one step makes, the next reads from the run: ``plan``, ``data``, ``steps``,
+    ``job``, ``callbacks``, ``state``, ``position``.
+
+    Args:
+        cfg: a composed :class:`~gacli.config.TrainConfig` (DictConfig).
+        run_dir: where TensorBoard events, checkpoints, the resolved config and the result go.
+        given: the config keys set on the command line (they win in the batch arithmetic).
+        parallel_jobs: jobs share the terminal (no live progress bar then).
+
+    Example:
+        >>> metrics = Run(compose_config("epochs=2"), "outputs/first").execute()
+    """
+
+    def __init__(self, cfg, run_dir, given=(), parallel_jobs=False):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.given = given
+        self.parallel_jobs = parallel_jobs
+        self.console = make_console()
+        self.plan_file = BatchPlanFile(run_dir)
+        self.chief = None  # known once the strategy is made (it may set TF_CONFIG)
+        self.strategy = None
+        self.plan = None  # the BatchPlan; replaced by the out-of-memory re-plan
+        self.data = None
+        self.steps = None  # the StepPlan of the plan
+        self.job = None
+        self.callbacks = None
+        self.state = None
+        self.position = (0, 0)  # (epoch, micro-batches done in it) that fit() starts from
+        self.chosen = {}  # start-up panel lines on how the micro-batch was chosen
+        self.history = {}  # metric name -> values per epoch, of the fit() that finished
+
+    def execute(self):
+        """The job's steps; the last epoch's metrics."""
+        self.check_run_dir()
+        self.plan_batch()
+        with _precision_policy(self.cfg.precision.policy):
+            self.load_data()
+            self.settle_plan()
+            self.build()
+            self.make_callbacks()
+            try:
+                self.restore()
+                self.fit()
+            finally:
+                self.close()
+            return self.save_results()
+
+    def check_run_dir(self):
+        """Refuse an unusable run directory before anything is built."""
+        self.console.print(f"run directory: {self.run_dir}", soft_wrap=True)
+        _guard_run_dir(self.cfg, self.run_dir)
+        if is_chief():
+            # Found now, not at the first save after an epoch of training.
+            check_writable(self.run_dir, "the run directory")
+            if self.cfg.checkpoint:
+                check_writable(os.path.join(self.run_dir, CHECKPOINT_DIR), "the checkpoint folder")
+
+    def plan_batch(self):
+        """The strategy and the batch arithmetic over its replicas."""
+        cfg = self.cfg
+        self.strategy = make_strategy(cfg.strategy)
+        # A multirun's jobs share a process: each reports its own memory peaks. (After the
+        # strategy, which may split devices: listing them, as the reset does, fixes TensorFlow's
+        # device setup.)
+        reset_memory_peaks()
+        self.plan = resolve_batch(
+            cfg.micro_batch_size,
+            cfg.accum_steps,
+            cfg.effective_batch_size,
+            self.strategy.num_replicas_in_sync,
+            self.given,
+        )
+        keras.utils.set_random_seed(cfg.seed)
+
+    def load_data(self):
+        # Hydra sets the root logger to INFO; TensorFlow's absl chatter is not for the terminal.
+        for name in ("absl", "tensorflow"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self.data = load_dataset(self.cfg.dataset, self.cfg.seed)
+
+    def settle_plan(self):
+        """The micro-batch probed or kept from before, checked against the data; its steps."""
+        self.plan, self.chosen = settle_plan(
+            self.cfg, self.plan, self.data, self.strategy, self.run_dir
+        )
+        _check_batch_fits_data(self.cfg, self.plan, self.data.train_size)
+        self.steps = plan_steps(self.cfg, self.plan, self.data.train_size)
+
+    def build(self):
+        """The compiled model and engine; the start-up panel; ``resolved.yaml``."""
+        cfg, plan, data, steps = self.cfg, self.plan, self.data, self.steps
+        self.job = build_job(cfg, plan, data, steps, self.strategy)
+        facts = self.job.facts(cfg, plan, data, steps, self.strategy)
+        startup_panel(self.console, cfg, plan, {**facts, **self.chosen})
+        self.chief = is_chief()
+        if self.chief:
+            _write_resolved(cfg, plan, steps, self.job, self.run_dir)
+
+    def make_callbacks(self):
+        """The run's callbacks, each kept by its name, and its checkpointed state."""
+        cfg, plan, data, accumulator = self.cfg, self.plan, self.data, self.job.accumulator
+        clock = TrainingClock(accumulator, data.train_size, plan.global_micro_batch_size)
+        progress = ProgressCallback(
+            self.console,
+            cfg.progress,
+            plan,
+            accumulator,
+            math.ceil(self.steps.total_updates / cfg.epochs),
+            cfg.epochs,
+            self.parallel_jobs,
+            clock=clock,
+        )
+        tensorboard = None
+        if self.chief:
+            tensorboard = TensorBoardLogger(
+                os.path.join(self.run_dir, "tensorboard"),
+                plan,
+                accumulator,
+                _hparams(cfg, plan, self.job),
+                clock,
+            )
+        self.state = RunState(self.job.model, self.run_dir, self.chief)
+        checkpoint = RunCheckpoint(
+            self.state,
+            accumulator,
+            StopSignals(),
+            f"To continue, run the same command with resume=true, or resume={self.run_dir}.",
+            cfg.checkpoint_every_updates,
+            save=cfg.checkpoint,
+            multi_worker=is_multi_worker(self.strategy),
+        )
+        precise_batchnorm = None
+        if cfg.batchnorm == BatchNormPolicy.precise:
+            # Micro-batches of their own order (they neither depend on nor move the training
+            # order), at the training micro-batch size per replica.
+            statistics = data.train.shuffle(
+                self.order.buffer_size, seed=cfg.seed, reshuffle_each_iteration=False
+            )
+            precise_batchnorm = PreciseBatchNorm(
+                statistics.batch(plan.micro_batch_size), micro_batches=cfg.precise_bn_micro_batches
+            )
+        window_start = None
+        if cfg.oom == OutOfMemory.recover:
+            window_start = WindowStart(accumulator, lambda: (checkpoint.epoch, checkpoint.done))
+        self.callbacks = RunCallbacks(
+            clock,
+            progress,
+            tensorboard,
+            checkpoint,
+            precise_batchnorm,
+            window_start,
+            self.job.fault,
+        )
+
+    @property
+    def order(self):
+        """How every pass over the training data is shuffled: the stream and the message of a
+        halted run read the same order."""
+        seed = self.cfg.seed if self.cfg.dataset.shuffle else None
+        return PassOrder.of(self.data.train_size, seed)
+
+    def restore(self):
+        """A resumed run's checkpoint, counted in the plan's micro-batches."""
+        if self.cfg.resume:
+            self.position = self._restored_position()
+        self._recount_checkpoint()
+
+    def _restored_position(self):
+        """(epoch, micro-batches done in it) of the latest checkpoint, or (0, 0)."""
+        job = self.job
+        with self.strategy.scope():
+            job.model.optimizer.build(job.model.trainable_variables)
+        restored = self.state.restore(
+            warn=lambda message: self.console.print(message, style="yellow", soft_wrap=True)
+        )
+        if restored is None:
+            self.console.print(
+                f"resume: no checkpoint in {self.run_dir} yet; starting from the beginning",
+                soft_wrap=True,
+            )
+            return (0, 0)
+        self.console.print(
+            f"resume: from epoch {restored[0] + 1}, micro-batch {restored[1]} of it (update "
+            f"{int(job.accumulator.optimizer_step.numpy())}, micro-step "
+            f"{int(job.accumulator.micro_step.numpy())})",
+            soft_wrap=True,
+        )
+        return restored
+
+    def _recount_checkpoint(self):
+        """A run resumed after an out-of-memory error under XLA (:meth:`_stop_for_resume`): the
+        checkpoint counts micro-batches of the old size; its position and open window are counted
+        again in the new size, and saved so, before training goes on."""
+        plan, accumulator = self.plan, self.job.accumulator
+        saved = self.plan_file.read() or {}
+        old = saved.pop("checkpoint_micro_batch_size", None)
+        if old is None or old == plan.micro_batch_size:
+            return
+        ratio = old // plan.micro_batch_size
+        accumulator.window_micro_steps.assign(accumulator.window_micro_steps * ratio)
+        clock = self.callbacks.clock
+        clock.layout = ChangedLayout(
+            MicroBatchLayout(clock.layout.train_size, old * plan.replicas),
+            int(accumulator.micro_step.numpy()),
+            plan.global_micro_batch_size,
+        )
+        for reporter in self.callbacks.reporters():
+            reporter.replan(plan, saved.get("oom_recoveries", 0))
+        self.position = (self.position[0], self.position[1] * ratio)
+        if self.chief and (self.position != (0, 0) or int(accumulator.optimizer_step.numpy())):
+            self.state.save(*self.position)
+        self.plan_file.write(saved)
+
+    def fit(self):
+        """fit() from ``position`` to the end of training; under ``oom=recover`` an out-of-memory
+        error puts the open window back to its start, halves the micro-batch (doubling
+        accum_steps) and goes on from the window's first sample."""
+        with self.callbacks.checkpoint.signals:
+            while True:
+                try:
+                    self.history = self._fit_from_position()
+                    return
+                except tf.errors.ResourceExhaustedError as error:
+                    self._recover(error)
+
+    def _fit_from_position(self):
+        """fit() from ``position`` to the end of training, one call per segment; what the
+        segments' fit() calls returned, metric name -> values per epoch."""
+        cfg, plan, data, steps, job = self.cfg, self.plan, self.data, self.steps, self.job
+        history = {}
+        validation = None
+        if data.validation is not None:
+            validation = data.validation.batch(plan.global_micro_batch_size)
+        per_epoch = steps.epoch_length % steps.steps_per_execution != 0
+        for first, end, count, offset in _segments(
+            self.position, steps.epoch_length, cfg.epochs, per_epoch
+        ):
+            stream = micro_batch_stream(
+                data.train,
+                plan.global_micro_batch_size,
+                steps.micro_batches,
+                start=first * steps.epoch_length + offset,
+                count=count * (end - first),
+                order=self.order,
+            )
+            self.callbacks.checkpoint.start_segment(first, offset)
+            # A resumed epoch is a fit() of its own: its end is not the run's end.
+            last = end == cfg.epochs
+            with contextlib.nullcontext() if last else job.accumulator.fit_continues():
+                try:
+                    segment = job.model.fit(
+                        stream,
+                        validation_data=validation,
+                        initial_epoch=first,
+                        epochs=end,
+                        steps_per_epoch=count,
+                        verbose=0,
+                        callbacks=self.callbacks.in_order,
+                        shuffle=False,
+                    )
+                except NonFiniteError as error:
+                    raise TrainingFailed(self._where_nonfinite(error.micro_step)) from None
+            for key, values in segment.history.items():
+                history.setdefault(key, []).extend(values)
+        if not history:
+            # Resumed after the last epoch's checkpoint: only the end of training is left.
+            job.model.optimizer.finalize_variable_values(job.model.trainable_variables)
+        return history
+
+    def _recover(self, error):
+        """After an out-of-memory error: the open window put back to its start and the job
+        re-planned with half the micro-batch, or an error that says what to type."""
+        cfg, plan = self.cfg, self.plan
+        recover = cfg.oom == OutOfMemory.recover
+        smaller = smaller_plan(plan)
+        if recover and smaller is not None and cfg.jit_compile:
+            self._stop_for_resume(smaller, error)
+        rewound = self.callbacks.window_start.rewind() if recover else None
+        if rewound is None or smaller is None:
+            raise TrainingFailed(out_of_memory_message(plan, recover, error)) from None
+        self.position = position_in(rewound, plan, smaller)
+        self._replan(smaller, error)
+        if cfg.checkpoint and is_chief():
+            self.state.save(*self.position)
+        self.plan_file.write(
+            self.plan_file.record(
+                self.plan, "oom=recover", oom_recoveries=self.callbacks.window_start.count
+            )
+        )
+
+    def _stop_for_resume(self, smaller, error):
+        """Under XLA an out-of-memory error leaves the variables unusable (TensorFlow 2.21 frees
+        their memory when the compiled program fails to allocate: README.md, "Out of memory in
+        the middle of a run"), so the run stops; the smaller plan is recorded for resume=true,
+        which goes on from the last checkpoint."""
+        plan = self.plan
+        saved = self.plan_file.read() or {}
+        self.plan_file.write(
+            self.plan_file.record(
+                smaller,
+                "oom=recover",
+                oom_recoveries=saved.get("oom_recoveries", 0) + 1,
+                # The checkpoints count micro-batches of this size until the next one is saved.
+                checkpoint_micro_batch_size=saved.get(
+                    "checkpoint_micro_batch_size", plan.micro_batch_size
+                ),
+            )
+        )
+        raise ProcessUnusable(
+            f"Out of device memory at micro_batch_size={plan.micro_batch_size} "
+            f"({oom_line(error)}) inside an XLA program (jit_compile=true), after which "
+            "TensorFlow's variables cannot be used again in this process. Run the same command "
+            "with resume=true: it goes on from the last checkpoint with micro_batch_size="
+            f"{smaller.micro_batch_size} x accum_steps={smaller.accum_steps} (the same effective "
+            f"batch of {plan.effective_batch_size})."
+        )
+
+    def _replan(self, plan, error):
+        """The job set up for ``plan`` after an out-of-memory error."""
+        self.plan = plan
+        self.steps = plan_steps(self.cfg, plan, self.data.train_size)
+        set_accum_steps(self.job.model, plan.accum_steps, self.steps.steps_per_execution)
+        window_start = self.callbacks.window_start
+        window_start.count += 1
+        self.callbacks.clock.replan(plan, window_start.count)
+        for reporter in self.callbacks.reporters():
+            reporter.replan(plan, window_start.count)
+        make_console().print(
+            f"out of device memory ({oom_line(error)}); the window starts again with "
+            f"micro_batch_size={plan.micro_batch_size} x accum_steps={plan.accum_steps} "
+            f"(effective batch {plan.effective_batch_size} kept, recovery {window_start.count})",
+            style="yellow",
+            soft_wrap=True,
+        )
+
+    def _where_nonfinite(self, micro_step):
+        """The message of a run halted on a non-finite gradient: where, which samples, what is
+        kept."""
+        data, plan, steps = self.data, self.plan, self.steps
+        epoch_length, micro_batches = steps.epoch_length, steps.micro_batches
+        index = micro_step - 1  # micro-batches are counted from 1 by the engine
+        epoch, in_epoch = divmod(index, epoch_length)
+        data_pass, in_pass = divmod(index, micro_batches)
+        first = in_pass * plan.global_micro_batch_size
+        last = min(first + plan.global_micro_batch_size, data.train_size)
+        order = self.order.positions(data.train_size, data_pass)
+        names = [data.sample_name(int(position)) for position in order[first:last]]
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        saved = self.state.latest()
+        kept = (
+            f"The last checkpoint, {saved}, is from before it and is kept; "
+            if saved
+            else "No checkpoint was written before it; "
+        )
+        return (
+            f"training stopped at epoch {epoch + 1}, micro-batch {in_epoch + 1} of {epoch_length}: "
+            f"its loss or gradient was not finite (inf or nan). It held the samples at positions "
+            f"{first}-{last - 1} of pass {data_pass + 1} over the training data ({data.source}: "
+            f"{shown}). No update used it. {kept}result.json and model.keras are not written. If "
+            "those samples are clean, the model diverged: start again with a lower "
+            "optimizer.learning_rate or with optimizer.clipnorm=1.0; precision.nonfinite="
+            "skip_micro_batch would train on past such micro-batches instead. If they are not, "
+            f"fix them and continue from the last checkpoint with resume={self.run_dir}."
+        )
+
+    def close(self):
+        self.callbacks.close()
+        self.state.close()
+
+    def save_results(self):
+        """model.keras (atomically), result.json and the summary table; the final metrics."""
+        cfg, plan, run_dir, chief = self.cfg, self.plan, self.run_dir, self.chief
+        model, accumulator = self.job.model, self.job.accumulator
+        final = {key: float(values[-1]) for key, values in self.history.items()}
+        # Equal on every worker of a run, and across runs that trained the same way.
+        fingerprint = hashlib.sha256(
+            b"".join(np.ascontiguousarray(weight).tobytes() for weight in model.get_weights())
+        ).hexdigest()[:16]
+        if cfg.checkpoint:
+            # Every worker saves (reading the accumulators is a collective); only the chief keeps
+            # it. Written under another name first: a model.keras that exists is a whole one.
+            path = scratch_or(os.path.join(run_dir, ".model-writing.keras"), chief)
+            model.save(path)
+            if chief:
+                os.replace(path, os.path.join(run_dir, "model.keras"))
+            else:
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        updates, micro_steps = (
+            int(accumulator.optimizer_step.numpy()),
+            int(accumulator.micro_step.numpy()),
+        )
+        noise = accumulator.noise_scale()
+        if chief:
+            result = dict(
+                final,
+                optimizer_step=updates,
+                micro_step=micro_steps,
+                gradient_noise_scale=(noise or {}).get("noise_scale") or None,
+                effective_batch_size=plan.effective_batch_size,
+                micro_batch_size=plan.micro_batch_size,
+                accum_steps=plan.accum_steps,
+                weights_sha256=fingerprint,
+                host_peak_rss_bytes=host_memory_bytes()[1],
+            )
+            write_json(os.path.join(run_dir, RESULT_FILE), result)
+        rows = {key: f"{value:.4f}" for key, value in final.items()}
+        rows["updates / micro-batches"] = f"{updates} / {micro_steps}"
+        rows["effective batch"] = plan.effective_batch_size
+        if noise is not None:
+            rows["noise scale"] = noise_scale_verdict(plan.effective_batch_size, noise)
+        rows["weights sha256"] = fingerprint
+        summary_table(self.console, rows)
+        self.console.print(f"run directory: {run_dir}", soft_wrap=True)
+        return final
+
+
+@dataclasses.dataclass
+class RunCallbacks:
+    """The callbacks a :class:`Run` made, each by its name; ``None`` where the job has none."""
+
+    clock: TrainingClock
+    progress: ProgressCallback
+    tensorboard: TensorBoardLogger | None  # the chief's
+    checkpoint: RunCheckpoint
+    precise_batchnorm: object = None  # batchnorm=precise
+    window_start: WindowStart | None = None  # oom=recover
+    fault: object = None  # GACLI_FAKE_OOM_ABOVE's (gacli.faults)
+
+    @functools.cached_property
+    def in_order(self):
+        """fit()'s list: the engine's window closer and non-finite stop first (a halted step is
+        neither logged nor saved; the model wrappers' fit() would add them too, a plain model's
+        would not); then the clock before the readers of its time; the precise batch-norm
+        statistics after the callbacks that close an epoch's window, so that they see its last
+        update; the checkpoint; the window start and the fault last."""
+        reporting = [self.clock, *self.reporters()]
+        later = (self.precise_batchnorm, self.checkpoint, self.window_start, self.fault)
+        accumulator = self.clock.accumulator
+        return accumulation_callbacks(accumulator, reporting) + [c for c in later if c is not None]
+
+    def reporters(self):
+        """The callbacks that show the plan: told when it changes."""
+        return [c for c in (self.progress, self.tensorboard) if c is not None]
+
+    def close(self):
+        for reporter in self.reporters():
+            reporter.close()
 
 
 def choose_wrapper(cfg):
@@ -215,83 +692,9 @@ def _differences(before, now, prefix=""):
     return changed
 
 
-def train(cfg, run_dir, given=(), parallel_jobs=False):
-    """Train the job described by ``cfg`` and return its final metrics.
-
-    Args:
-        cfg: a composed :class:`~gacli.config.TrainConfig` (DictConfig).
-        run_dir: where TensorBoard events, checkpoints, the resolved config and the result go.
-        given: the config keys set on the command line (they win in the batch arithmetic).
-        parallel_jobs: jobs share the terminal (no live progress bar then).
-
-    Returns:
-        dict of the last epoch's metrics (``loss``, ``val_loss``, ...).
-    """
-    console = make_console()
-    console.print(f"run directory: {run_dir}", soft_wrap=True)
-    _guard_run_dir(cfg, run_dir)
-    if is_chief():
-        # Found now, not at the first save after an epoch of training.
-        check_writable(run_dir, "the run directory")
-        if cfg.checkpoint:
-            check_writable(os.path.join(run_dir, CHECKPOINT_DIR), "the checkpoint folder")
-    strategy = make_strategy(cfg.strategy)
-    # A multirun's jobs share a process: each reports its own memory peaks. (After the strategy,
-    # which may split devices: listing them, as the reset does, fixes TensorFlow's device setup.)
-    reset_memory_peaks()
-    plan = resolve_batch(
-        cfg.micro_batch_size,
-        cfg.accum_steps,
-        cfg.effective_batch_size,
-        strategy.num_replicas_in_sync,
-        given,
-    )
-    keras.utils.set_random_seed(cfg.seed)
-    callers_policy = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy(_KERAS_POLICY[cfg.precision.policy])
-    try:
-        return _train(cfg, run_dir, plan, strategy, console, parallel_jobs)
-    finally:
-        # The caller's policy, not float32: a notebook that set mixed_bfloat16 keeps it.
-        keras.mixed_precision.set_global_policy(callers_policy)
-
-
-def _train(cfg, run_dir, plan, strategy, console, parallel_jobs):
-    """The job's steps: data, schedule, model, callbacks, fit, results."""
-    # Hydra sets the root logger to INFO; TensorFlow's absl chatter is not for the terminal.
-    for name in ("absl", "tensorflow"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    data = load_dataset(cfg.dataset, cfg.seed)
-    plan, chosen = settle_plan(cfg, plan, data, strategy, run_dir)
-    _check_batch_fits_data(cfg, plan, data.train_size)
-    schedule = plan_schedule(cfg, plan, data.train_size)
-    job = build_job(cfg, plan, data, schedule, strategy)
-    facts = job.facts(cfg, plan, data, schedule, strategy)
-    startup_panel(console, cfg, plan, {**facts, **chosen})
-    chief = is_chief()
-    if chief:
-        _write_resolved(cfg, plan, schedule, job, run_dir)
-    callbacks, run_checkpoint, state = make_callbacks(
-        cfg, plan, data, schedule, job, run_dir, console, parallel_jobs, chief, strategy
-    )
-    try:
-        position = _restore(cfg, job, state, strategy, console, run_dir)
-        position = _recount_checkpoint(plan, job, callbacks, state, position, run_dir)
-        with run_checkpoint.signals:
-            history, plan = run_fit(
-                cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir
-            )
-    finally:
-        for callback in callbacks:
-            if hasattr(callback, "close"):
-                callback.close()
-        state.close()
-    return save_results(cfg, plan, job, history, run_dir, chief, console)
-
-
 @dataclasses.dataclass(frozen=True)
-class Schedule:
-    """How the data is cut: micro-batches per pass, per fit() epoch, and updates."""
+class StepPlan:
+    """How the data is cut into micro-batches, epochs and updates for one :class:`BatchPlan`."""
 
     micro_batches: int  # per pass over the training data
     epoch_length: int  # micro-batches per epoch (steps_per_epoch x accum_steps, when set)
@@ -300,8 +703,8 @@ class Schedule:
     steps_per_execution: int
 
 
-def plan_schedule(cfg, plan, train_size):
-    """The :class:`Schedule` of a job whose training set holds ``train_size`` samples."""
+def plan_steps(cfg, plan, train_size):
+    """The :class:`StepPlan` of a job whose training set holds ``train_size`` samples."""
     micro_batches = math.ceil(train_size / plan.global_micro_batch_size)
     fit_steps = None
     if cfg.steps_per_epoch:
@@ -315,7 +718,7 @@ def plan_schedule(cfg, plan, train_size):
     else:
         updates_per_epoch = math.ceil(micro_batches / plan.accum_steps)
     wrapper, _ = choose_wrapper(cfg)
-    return Schedule(
+    return StepPlan(
         micro_batches,
         fit_steps or micro_batches,
         fit_steps,
@@ -324,13 +727,48 @@ def plan_schedule(cfg, plan, train_size):
     )
 
 
+class BatchPlanFile:
+    """``batch_plan.json`` in the run directory: the micro-batch a run chose
+    (``micro_batch_size=auto``'s probe, or ``oom=recover`` after an out-of-memory error), so that
+    a resumed run keeps it and the checkpoints count micro-batches of that size. Only the chief
+    writes it.
+
+    Args:
+        run_dir: the run directory.
+    """
+
+    def __init__(self, run_dir):
+        self.path = os.path.join(run_dir, BATCH_PLAN_FILE)
+
+    def read(self):
+        """The record, or None when the run chose no micro-batch of its own."""
+        return read_json(self.path)
+
+    def write(self, record):
+        if is_chief():
+            write_json(self.path, record)
+
+    @staticmethod
+    def record(plan, why, **more):
+        """What the file holds for ``plan``, chosen because of ``why``."""
+        return {
+            "micro_batch_size": plan.micro_batch_size,
+            "accum_steps": plan.accum_steps,
+            "replicas": plan.replicas,
+            "effective_batch_size": plan.effective_batch_size,
+            "why": why,
+            **more,
+        }
+
+
 def settle_plan(cfg, plan, data, strategy, run_dir):
     """(the run's BatchPlan, start-up panel lines on how it was chosen).
 
     A run that chose its micro-batch before (``micro_batch_size=auto``'s probe, or ``oom=recover``
     after an out-of-memory error) keeps that choice when it resumes: ``batch_plan.json`` in the run
     directory holds it, and the checkpoints count micro-batches of that size."""
-    saved = read_json(os.path.join(run_dir, BATCH_PLAN_FILE))
+    plan_file = BatchPlanFile(run_dir)
+    saved = plan_file.read()
     if saved is not None and cfg.resume:
         kept = BatchPlan(saved["micro_batch_size"], saved["accum_steps"], saved["replicas"])
         if kept.replicas == plan.replicas:
@@ -345,7 +783,7 @@ def settle_plan(cfg, plan, data, strategy, run_dir):
     # Without XLA: an out-of-memory error inside an XLA program leaves the variables unusable
     # (see _stop_for_resume). XLA's fused step usually needs less memory than this one.
     probed = OmegaConf.merge(cfg, {"jit_compile": False})
-    job = build_job(probed, first, data, plan_schedule(cfg, first, data.train_size), strategy)
+    job = build_job(probed, first, data, plan_steps(cfg, first, data.train_size), strategy)
 
     def prepare(size):
         sized = plan.with_micro_batch_size(size)
@@ -369,24 +807,12 @@ def settle_plan(cfg, plan, data, strategy, run_dir):
     chosen = plan.with_micro_batch_size(micro)
     why = f"micro_batch_size=auto, pick={cfg.auto_batch.pick.value}"
     record = {
-        **_plan_record(chosen, why),
+        **plan_file.record(chosen, why),
         "key": probe_key(cfg, data, strategy),
         "probes": [dataclasses.asdict(probe) for probe in probes.values()],
     }
-    if is_chief():
-        write_json(os.path.join(run_dir, BATCH_PLAN_FILE), record)
+    plan_file.write(record)
     return chosen, {"micro-batch": "\n".join(probe_lines(micro, probes, cfg.auto_batch))}
-
-
-def _plan_record(plan, why, **more):
-    return {
-        "micro_batch_size": plan.micro_batch_size,
-        "accum_steps": plan.accum_steps,
-        "replicas": plan.replicas,
-        "effective_batch_size": plan.effective_batch_size,
-        "why": why,
-        **more,
-    }
 
 
 def accumulation_config(cfg, plan):
@@ -414,7 +840,7 @@ class Job:
     learning_rate: float
     fault: object = None  # GACLI_FAKE_OOM_ABOVE's callback (gacli.faults), when set
 
-    def facts(self, cfg, plan, data, schedule, strategy):
+    def facts(self, cfg, plan, data, steps, strategy):
         """The start-up panel's lines."""
         replicas = strategy.num_replicas_in_sync
         layers = self.batchnorm_layers
@@ -424,9 +850,9 @@ class Job:
             f"({self.model.count_params():,} parameters)",
             "data": f"{cfg.dataset.name}: {data.train_size} train / {data.validation_size} val "
             f"samples, inputs {tuple(data.input_shape)}",
-            "updates": f"{schedule.total_updates} in {cfg.epochs} epochs, "
-            f"{schedule.epoch_length} micro-batches per epoch",
-            "compiled calls": f"{schedule.steps_per_execution} micro-batches each "
+            "updates": f"{steps.total_updates} in {cfg.epochs} epochs, "
+            f"{steps.epoch_length} micro-batches per epoch",
+            "compiled calls": f"{steps.steps_per_execution} micro-batches each "
             "(steps_per_execution)",
             "precision": cfg.precision.policy.value,
             "batch norm": f"{cfg.batchnorm.value} ({layers} layer{'s' if layers != 1 else ''}"
@@ -442,7 +868,7 @@ class Job:
         }
 
 
-def build_job(cfg, plan, data, schedule, strategy):
+def build_job(cfg, plan, data, steps, strategy):
     """Model, batch-norm policy, inner optimizer and accumulation wrapper, compiled."""
     wrapper, reason = choose_wrapper(cfg)
     loss, metrics = loss_and_metrics(data.task, data.num_outputs)
@@ -453,7 +879,7 @@ def build_job(cfg, plan, data, schedule, strategy):
         _check_fits(model, data)
         batchnorm_layers = len(plain_batchnorm_layers(model))
         model = apply_batchnorm_policy(model, cfg.batchnorm.value, plan.accum_steps, warn=False)
-        inner = build_optimizer(cfg.optimizer, plan.effective_batch_size, schedule.total_updates)
+        inner = build_optimizer(cfg.optimizer, plan.effective_batch_size, steps.total_updates)
         if wrapper is Wrapper.model:
             model = wrap_model(model, config=settings)
             optimizer = inner
@@ -471,7 +897,7 @@ def build_job(cfg, plan, data, schedule, strategy):
             metrics=metrics,
             jit_compile=cfg.jit_compile,
             auto_scale_loss=False,
-            steps_per_execution=schedule.steps_per_execution,
+            steps_per_execution=steps.steps_per_execution,
         )
     accumulator = find_accumulating_optimizer(model.optimizer)
     if model.built:
@@ -490,7 +916,7 @@ def build_job(cfg, plan, data, schedule, strategy):
     )
 
 
-def _write_resolved(cfg, plan, schedule, job, run_dir):
+def _write_resolved(cfg, plan, steps, job, run_dir):
     """``resolved.yaml``: the config with the batch arithmetic, written once per run."""
     if os.path.exists(os.path.join(run_dir, "resolved.yaml")):
         return
@@ -500,7 +926,7 @@ def _write_resolved(cfg, plan, schedule, job, run_dir):
         "accum_steps": plan.accum_steps,
         "replicas": plan.replicas,
         "effective_batch_size": plan.effective_batch_size,
-        "optimizer_updates": schedule.total_updates,
+        "optimizer_updates": steps.total_updates,
         "wrapper": job.wrapper.value,
     }
     OmegaConf.save(OmegaConf.create(resolved), os.path.join(run_dir, "resolved.yaml"))
@@ -519,296 +945,6 @@ def _hparams(cfg, plan, job):
         "lr": float(cfg.optimizer.learning_rate),
         "optimizer": cfg.optimizer.name.value,
     }
-
-
-def make_callbacks(
-    cfg, plan, data, schedule, job, run_dir, console, parallel_jobs, chief, strategy
-):
-    """(the fit() callbacks in their order, the checkpoint callback, the run's state)."""
-    accumulator = job.accumulator
-    clock = TrainingClock(accumulator, data.train_size, plan.global_micro_batch_size)
-    callbacks = [
-        clock,
-        ProgressCallback(
-            console,
-            cfg.progress,
-            plan,
-            accumulator,
-            math.ceil(schedule.total_updates / cfg.epochs),
-            cfg.epochs,
-            parallel_jobs,
-            clock=clock,
-        ),
-    ]
-    if chief:
-        hparams = _hparams(cfg, plan, job)
-        callbacks.append(
-            TensorBoardLogger(
-                os.path.join(run_dir, "tensorboard"), plan, accumulator, hparams, clock
-            )
-        )
-    # The window closer and the non-finite stop go first: a halted step is neither logged nor
-    # saved. (The model wrappers' fit() would add them too; a plain model's would not.)
-    callbacks = accumulation_callbacks(accumulator, callbacks)
-    state = RunState(job.model, run_dir, chief)
-    hint = f"To continue, run the same command with resume=true, or resume={run_dir}."
-    run_checkpoint = RunCheckpoint(
-        state,
-        accumulator,
-        StopSignals(),
-        hint,
-        cfg.checkpoint_every_updates,
-        save=cfg.checkpoint,
-        multi_worker=is_multi_worker(strategy),
-    )
-    if cfg.batchnorm == BatchNormPolicy.precise:
-        # After the callbacks that close an epoch's window: the statistics see its last update.
-        callbacks.append(
-            precise_batchnorm_callback(
-                data.train,
-                plan.micro_batch_size,
-                cfg.precise_bn_micro_batches,
-                cfg.seed,
-                buffer_size=min(data.train_size, 10_000),
-            )
-        )
-    callbacks.append(run_checkpoint)
-    if cfg.oom == OutOfMemory.recover:
-        callbacks.append(
-            WindowStart(accumulator, lambda: (run_checkpoint.epoch, run_checkpoint.done))
-        )
-    if job.fault is not None:
-        callbacks.append(job.fault)
-    return callbacks, run_checkpoint, state
-
-
-def _restore(cfg, job, state, strategy, console, run_dir):
-    """(epoch, micro-batches done in it) to start from: (0, 0), or a resumed run's checkpoint."""
-    if not cfg.resume:
-        return (0, 0)
-    with strategy.scope():
-        job.model.optimizer.build(job.model.trainable_variables)
-    restored = state.restore(
-        warn=lambda message: console.print(message, style="yellow", soft_wrap=True)
-    )
-    if restored is None:
-        console.print(
-            f"resume: no checkpoint in {run_dir} yet; starting from the beginning", soft_wrap=True
-        )
-        return (0, 0)
-    console.print(
-        f"resume: from epoch {restored[0] + 1}, micro-batch {restored[1]} of it (update "
-        f"{int(job.accumulator.optimizer_step.numpy())}, micro-step "
-        f"{int(job.accumulator.micro_step.numpy())})",
-        soft_wrap=True,
-    )
-    return restored
-
-
-def _recount_checkpoint(plan, job, callbacks, state, position, run_dir):
-    """A run resumed after an out-of-memory error under XLA (:func:`_stop_for_resume`): the
-    checkpoint counts micro-batches of the old size; its position and open window are counted
-    again in the new size, and saved so, before training goes on."""
-    path = os.path.join(run_dir, BATCH_PLAN_FILE)
-    saved = read_json(path) or {}
-    old = saved.pop("checkpoint_micro_batch_size", None)
-    if old is None or old == plan.micro_batch_size:
-        return position
-    ratio = old // plan.micro_batch_size
-    accumulator = job.accumulator
-    accumulator.window_micro_steps.assign(accumulator.window_micro_steps * ratio)
-    at = int(accumulator.micro_step.numpy())
-    for callback in callbacks:
-        if isinstance(callback, TrainingClock):
-            before = MicroBatchLayout(callback.layout.train_size, old * plan.replicas)
-            callback.layout = ChangedLayout(before, at, plan.global_micro_batch_size)
-        elif hasattr(callback, "replan"):
-            callback.replan(plan, saved.get("oom_recoveries", 0))
-    position = (position[0], position[1] * ratio)
-    if is_chief():
-        if position != (0, 0) or int(accumulator.optimizer_step.numpy()):
-            state.save(*position)
-        write_json(path, saved)
-    return position
-
-
-def run_fit(cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir):
-    """fit() from ``position`` to the end of training; (the history, the plan it ended with).
-
-    Under ``oom=recover`` an out-of-memory error puts the open window back to its start, halves
-    the micro-batch (doubling accum_steps) and goes on from the window's first sample."""
-    history = {}
-    while True:
-        try:
-            done = _fit_from(
-                cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir
-            )
-            for key, values in done.items():
-                history.setdefault(key, []).extend(values)
-            return history, plan
-        except tf.errors.ResourceExhaustedError as error:
-            recover = cfg.oom == OutOfMemory.recover
-            smaller = smaller_plan(plan)
-            if recover and smaller is not None and cfg.jit_compile:
-                _stop_for_resume(plan, smaller, run_dir, error)
-            rewound = _window_start(callbacks).rewind() if recover else None
-            if rewound is None or smaller is None:
-                raise TrainingFailed(out_of_memory_message(plan, recover, error)) from None
-            position = position_in(rewound, plan, smaller)
-            plan = smaller
-            schedule = _replan(cfg, plan, data, job, callbacks, error)
-            if cfg.checkpoint and is_chief():
-                state.save(*position)
-            if is_chief():
-                write_json(
-                    os.path.join(run_dir, BATCH_PLAN_FILE),
-                    _plan_record(
-                        plan, "oom=recover", oom_recoveries=_window_start(callbacks).count
-                    ),
-                )
-
-
-def _stop_for_resume(plan, smaller, run_dir, error):
-    """Under XLA an out-of-memory error leaves the variables unusable (TensorFlow 2.21 frees their
-    memory when the compiled program fails to allocate: docs/batch.md), so the run stops; the
-    smaller plan is recorded for resume=true, which goes on from the last checkpoint."""
-    saved = read_json(os.path.join(run_dir, BATCH_PLAN_FILE)) or {}
-    if is_chief():
-        write_json(
-            os.path.join(run_dir, BATCH_PLAN_FILE),
-            _plan_record(
-                smaller,
-                "oom=recover",
-                oom_recoveries=saved.get("oom_recoveries", 0) + 1,
-                # The checkpoints count micro-batches of this size until the next one is saved.
-                checkpoint_micro_batch_size=saved.get(
-                    "checkpoint_micro_batch_size", plan.micro_batch_size
-                ),
-            ),
-        )
-    raise ProcessUnusable(
-        f"Out of device memory at micro_batch_size={plan.micro_batch_size} ({oom_line(error)}) "
-        "inside an XLA program (jit_compile=true), after which TensorFlow's variables cannot be "
-        "used again in this process. Run the same command with resume=true: it goes on from the "
-        f"last checkpoint with micro_batch_size={smaller.micro_batch_size} x accum_steps="
-        f"{smaller.accum_steps} (the same effective batch of {plan.effective_batch_size})."
-    )
-
-
-def _window_start(callbacks):
-    return next(callback for callback in callbacks if isinstance(callback, WindowStart))
-
-
-def _replan(cfg, plan, data, job, callbacks, error):
-    """The job set up for ``plan`` after an out-of-memory error; the new schedule."""
-    schedule = plan_schedule(cfg, plan, data.train_size)
-    set_accum_steps(job.model, plan.accum_steps, schedule.steps_per_execution)
-    window_start = _window_start(callbacks)
-    window_start.count += 1
-    for callback in callbacks:
-        if hasattr(callback, "replan"):
-            callback.replan(plan, window_start.count)
-    make_console().print(
-        f"out of device memory ({oom_line(error)}); the window starts again with micro_batch_size="
-        f"{plan.micro_batch_size} x accum_steps={plan.accum_steps} (effective batch "
-        f"{plan.effective_batch_size} kept, recovery {window_start.count})",
-        style="yellow",
-        soft_wrap=True,
-    )
-    return schedule
-
-
-def _fit_from(cfg, plan, data, schedule, job, callbacks, run_checkpoint, state, position, run_dir):
-    """fit() from ``position`` to the end of training, one call per segment; what the segments'
-    fit() calls returned, metric name -> values per epoch."""
-    history = {}
-    validation = None
-    if data.validation is not None:
-        validation = data.validation.batch(plan.global_micro_batch_size)
-    per_epoch = schedule.epoch_length % schedule.steps_per_execution != 0
-    for first, end, steps, offset in _segments(
-        position, schedule.epoch_length, cfg.epochs, per_epoch
-    ):
-        stream = micro_batch_stream(
-            data.train,
-            plan.global_micro_batch_size,
-            schedule.micro_batches,
-            start=first * schedule.epoch_length + offset,
-            count=steps * (end - first),
-            shuffle_seed=cfg.seed if cfg.dataset.shuffle else None,
-            buffer_size=min(data.train_size, 10_000),
-        )
-        run_checkpoint.start_segment(first, offset)
-        # A resumed epoch is a fit() of its own: its end is not the run's end.
-        last = end == cfg.epochs
-        with contextlib.nullcontext() if last else job.accumulator.fit_continues():
-            try:
-                segment = job.model.fit(
-                    stream,
-                    validation_data=validation,
-                    initial_epoch=first,
-                    epochs=end,
-                    steps_per_epoch=steps,
-                    verbose=0,
-                    callbacks=callbacks,
-                    shuffle=False,
-                )
-            except NonFiniteError as error:
-                raise TrainingFailed(
-                    _where_nonfinite(error.micro_step, cfg, data, plan, schedule, state, run_dir)
-                ) from None
-        for key, values in segment.history.items():
-            history.setdefault(key, []).extend(values)
-    if not history:
-        # Resumed after the last epoch's checkpoint: only the end of training is left.
-        job.model.optimizer.finalize_variable_values(job.model.trainable_variables)
-    return history
-
-
-def save_results(cfg, plan, job, history, run_dir, chief, console):
-    """model.keras (atomically), result.json and the summary table; the final metrics."""
-    model, accumulator = job.model, job.accumulator
-    final = {key: float(values[-1]) for key, values in history.items()}
-    # Equal on every worker of a run, and across runs that trained the same way.
-    fingerprint = hashlib.sha256(
-        b"".join(np.ascontiguousarray(weight).tobytes() for weight in model.get_weights())
-    ).hexdigest()[:16]
-    if cfg.checkpoint:
-        # Every worker saves (reading the accumulators is a collective); only the chief keeps it.
-        # Written under another name first: a model.keras that exists is a whole one.
-        path = scratch_or(os.path.join(run_dir, ".model-writing.keras"), chief)
-        model.save(path)
-        if chief:
-            os.replace(path, os.path.join(run_dir, "model.keras"))
-        else:
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-    updates, micro_steps = (
-        int(accumulator.optimizer_step.numpy()),
-        int(accumulator.micro_step.numpy()),
-    )
-    noise = accumulator.noise_scale()
-    if chief:
-        result = dict(
-            final,
-            optimizer_step=updates,
-            micro_step=micro_steps,
-            gradient_noise_scale=(noise or {}).get("noise_scale") or None,
-            effective_batch_size=plan.effective_batch_size,
-            micro_batch_size=plan.micro_batch_size,
-            accum_steps=plan.accum_steps,
-            weights_sha256=fingerprint,
-            host_peak_rss_bytes=host_memory_bytes()[1],
-        )
-        write_json(os.path.join(run_dir, RESULT_FILE), result)
-    rows = {key: f"{value:.4f}" for key, value in final.items()}
-    rows["updates / micro-batches"] = f"{updates} / {micro_steps}"
-    rows["effective batch"] = plan.effective_batch_size
-    if noise is not None:
-        rows["noise scale"] = noise_scale_verdict(plan.effective_batch_size, noise)
-    rows["weights sha256"] = fingerprint
-    summary_table(console, rows)
-    console.print(f"run directory: {run_dir}", soft_wrap=True)
-    return final
 
 
 def noise_scale_verdict(effective_batch, noise):
@@ -839,40 +975,6 @@ def noise_scale_verdict(effective_batch, noise):
     return (
         f"{measured}: effective batch {effective_batch} is close to it, near the point of "
         "diminishing returns"
-    )
-
-
-def _where_nonfinite(micro_step, cfg, data, plan, schedule, state, run_dir):
-    """The message of a run halted on a non-finite gradient: where, which samples, what is kept."""
-    epoch_length, micro_batches = schedule.epoch_length, schedule.micro_batches
-    index = micro_step - 1  # micro-batches are counted from 1 by the engine
-    epoch, in_epoch = divmod(index, epoch_length)
-    data_pass, in_pass = divmod(index, micro_batches)
-    first = in_pass * plan.global_micro_batch_size
-    last = min(first + plan.global_micro_batch_size, data.train_size)
-    order = pass_order(
-        data.train_size,
-        data_pass,
-        shuffle_seed=cfg.seed if cfg.dataset.shuffle else None,
-        buffer_size=min(data.train_size, 10_000),
-    )
-    names = [data.sample_name(int(position)) for position in order[first:last]]
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    saved = state.latest()
-    kept = (
-        f"The last checkpoint, {saved}, is from before it and is kept; "
-        if saved
-        else "No checkpoint was written before it; "
-    )
-    return (
-        f"training stopped at epoch {epoch + 1}, micro-batch {in_epoch + 1} of {epoch_length}: "
-        f"its loss or gradient was not finite (inf or nan). It held the samples at positions "
-        f"{first}-{last - 1} of pass {data_pass + 1} over the training data ({data.source}: "
-        f"{shown}). No update used it. {kept}result.json and model.keras are not written. If "
-        "those samples are clean, the model diverged: start again with a lower "
-        "optimizer.learning_rate or with optimizer.clipnorm=1.0; precision.nonfinite="
-        "skip_micro_batch would train on past such micro-batches instead. If they are not, fix "
-        f"them and continue from the last checkpoint with resume={run_dir}."
     )
 
 

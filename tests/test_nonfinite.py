@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import gacli
-from gacli.runstate import micro_batch_stream, pass_order
+from gacli.runstate import PassOrder, micro_batch_stream, pass_order
 from helpers import (
     FEATURES,
     big_batch_reference,
@@ -70,7 +70,7 @@ def test_stop_in_a_custom_loop_leaves_every_later_micro_batch_out():
 def test_pass_order_names_the_samples_the_stream_reads():
     # The message of a halted run names samples through pass_order: it must follow the stream.
     data = tf.data.Dataset.range(50)
-    stream = micro_batch_stream(data, 8, 7, start=0, count=14, shuffle_seed=3, buffer_size=50)
+    stream = micro_batch_stream(data, 8, 7, start=0, count=14, order=PassOrder(3, buffer_size=50))
     read = np.concatenate([batch.numpy() for batch in stream])
     expected = np.concatenate(
         [pass_order(50, index, shuffle_seed=3, buffer_size=50) for index in (0, 1)]

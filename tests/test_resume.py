@@ -144,12 +144,12 @@ def test_an_unfinished_run_is_resumed_with_its_own_settings_only(tmp_path):
 
 STREAM_MEMORY = """
 import resource, numpy as np, tensorflow as tf
-from gacli.runstate import micro_batch_stream
+from gacli.runstate import PassOrder, micro_batch_stream
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 data = tf.data.Dataset.from_tensor_slices(np.ones((5000, 800), "float32"))  # 16 MB
 before = peak()
-for _ in micro_batch_stream(data, 100, 50, start=0, count=50 * 10, shuffle_seed=0,
-                            buffer_size=5000):
+for _ in micro_batch_stream(data, 100, 50, start=0, count=50 * 10,
+                            order=PassOrder(0, buffer_size=5000)):
     pass
 print("GROWTH", peak() - before)
 """

@@ -249,12 +249,12 @@ def test_the_job_steps_run_alone(tmp_path):
     """train()'s steps take what they need and can be run one by one."""
     from gacli.config import resolve_batch
     from gacli.data import load_dataset
-    from gacli.train import build_job, plan_schedule
+    from gacli.train import build_job, plan_steps
 
     cfg = compose_config("epochs=2", "micro_batch_size=64", "accum_steps=4")
     plan = resolve_batch(64, 4, None, 1)
     data = load_dataset(cfg.dataset, cfg.seed)
-    schedule = plan_schedule(cfg, plan, data.train_size)
+    schedule = plan_steps(cfg, plan, data.train_size)
     assert schedule.micro_batches == -(-data.train_size // 64)
     assert schedule.total_updates == 2 * -(-schedule.micro_batches // 4)
     job = build_job(cfg, plan, data, schedule, tf.distribute.get_strategy())

@@ -95,6 +95,13 @@ def sublayers(model, include_self=False):
     return list(model._flatten_layers(include_self=include_self))
 
 
+def batchnorm_moments(layer, inputs, mask):
+    """(mean, variance) of a BatchNormalization layer's ``inputs`` over its reduction axes, as
+    the layer itself takes them (its private ``_moments``: synchronised over replicas when the
+    layer is, weighted by ``mask``)."""
+    return layer._moments(inputs, mask)
+
+
 def batchnorm_reduction_axes(layer):
     """The axes a BatchNormalization layer takes its moments over."""
     return layer._reduction_axes

@@ -85,7 +85,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=False, mask=mask)
         compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
         inputs = ops.cast(inputs, compute_dtype)
-        mean, variance = self._moments(inputs, mask)
+        mean, variance = compat.batchnorm_moments(self, inputs, mask)
         mean = ops.cast(mean, "float32")
         variance = ops.cast(variance, "float32")
         self._pool(mean, variance, self._element_count(inputs, mask))

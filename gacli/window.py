@@ -4,7 +4,9 @@ trainer (in the manner of optax's ``MultiSteps``, a transformation of gradients 
 - :class:`Window` sums the micro-batch gradients of the open window with their weights, and
   gives back the window's gradient;
 - :class:`LossScale` is dynamic loss scaling for float16 (the one loss-scaling path of gacli);
-- :class:`NonFiniteGuard` keeps inf and nan out of the window per the ``nonfinite`` policy.
+- :class:`NonFiniteGuard` keeps inf and nan out of the window per the ``nonfinite`` policy;
+- :class:`NoiseScale` measures the gradient noise scale from the micro-batch gradients the window
+  already has (``noise_scale=True``).
 
 Every part keeps its state in variables made by the ``add_state(name, shape, dtype, per_replica,
 initial_value)`` callable it is built with, so the state is checkpointed with the optimizer and

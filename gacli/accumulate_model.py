@@ -21,22 +21,13 @@ from gacli.accumulation import (
 from gacli.batchnorm import accum_batchnorm_layers
 from gacli.host_memory import HostMemoryCallback
 from gacli.options import LossNormalization, NonFinite, Reduction
-from gacli.settings import AccumulationConfig, shows_config_defaults
-
-
-def _split_settings(kwargs):
-    """Pop the accumulation settings out of a model constructor's ``**kwargs`` (``agc``, the
-    name the older package's README uses, is ``use_agc``)."""
-    settings = {name: kwargs.pop(name) for name in AccumulationConfig.fields() if name in kwargs}
-    return _agc_alias(settings, kwargs.pop("agc", None))
-
-
-def _agc_alias(settings, agc):
-    if agc is not None:
-        if settings.get("use_agc") not in (None, agc):
-            raise ValueError("agc and use_agc are the same setting; pass one of them.")
-        settings["use_agc"] = agc
-    return settings
+from gacli.settings import (
+    AccumulationConfig,
+    pop_settings,
+    settings_as_attributes,
+    shows_config_defaults,
+    take_agc_alias,
+)
 
 
 def _model_settings(config, mixed_precision=False, experimental_distributed_support=False, **given):
@@ -51,9 +42,7 @@ def _model_settings(config, mixed_precision=False, experimental_distributed_supp
             "keras.mixed_precision.set_global_policy('mixed_float16') before building the "
             "model's layers; model.compile then adds loss scaling by itself."
         )
-    return AccumulationConfig.from_kwargs(
-        config, **{name: value for name, value in given.items() if value is not None}
-    )
+    return AccumulationConfig.given(config, **given)
 
 
 def _window_weighted_loss(loss):
@@ -123,19 +112,10 @@ def accumulation_callbacks(optimizer, callbacks=()):
     return callbacks
 
 
+@settings_as_attributes("accumulation_config")
 class AccumulationMixin(compat.KerasWorkarounds):
     """``compile``/``train_step``/``fit`` of a Keras model that accumulates gradients; its
     settings are one :class:`~gacli.AccumulationConfig`, ``accumulation_config``."""
-
-    # The settings, as attributes (the older package's names).
-    accum_steps = property(lambda self: self.accumulation_config.accum_steps)
-    use_agc = property(lambda self: self.accumulation_config.use_agc)
-    clip_factor = property(lambda self: self.accumulation_config.clip_factor)
-    eps = property(lambda self: self.accumulation_config.eps)
-    partial_window = property(lambda self: self.accumulation_config.partial_window)
-    accumulator_dtype = property(lambda self: self.accumulation_config.accumulator_dtype)
-    nonfinite = property(lambda self: self.accumulation_config.nonfinite)
-    loss_normalization = property(lambda self: self.accumulation_config.loss_normalization)
 
     def _accumulating_optimizer_for(self, optimizer):
         """``optimizer`` (an instance, a name or a config) wrapped in a
@@ -146,11 +126,9 @@ class AccumulationMixin(compat.KerasWorkarounds):
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise ValueError(_LOSS_SCALE_OPTIMIZER)
         if not isinstance(optimizer, GradientAccumulateOptimizer):
-            config = self.accumulation_config
-            if config.loss_scaling is None:
-                # Under mixed_float16 the accumulator scales the loss itself (P2), so that each
-                # micro-batch is unscaled with its own scale and overflows follow `nonfinite`.
-                config = config.replace(loss_scaling=self.dtype_policy.name == "mixed_float16")
+            # Under mixed_float16 the accumulator scales the loss itself (P2), so that each
+            # micro-batch is unscaled with its own scale and overflows follow `nonfinite`.
+            config = self.accumulation_config.for_policy(self.dtype_policy.name)
             return GradientAccumulateOptimizer(
                 optimizer, config=config.replace(loss_normalization=LossNormalization.batch)
             )
@@ -344,7 +322,7 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
         config=None,
         **kwargs,
     ):
-        settings = _agc_alias(_split_settings(kwargs), use_agc)
+        settings = take_agc_alias(pop_settings(kwargs), use_agc)
         super().__init__(*args, **kwargs)
         self.accumulation_config = _model_settings(
             config,
@@ -370,7 +348,7 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        settings = _split_settings(config)
+        settings = pop_settings(config)
         model = compat.functional_from_config(cls, config, custom_objects=custom_objects)
         model.accumulation_config = AccumulationConfig(**settings)
         return model
@@ -391,7 +369,7 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
         config=None,
         **kwargs,
     ):
-        settings = _split_settings(kwargs)
+        settings = pop_settings(kwargs)
         super().__init__(**kwargs)
         self.model = model
         # The wrapper owns no weights of its own: it is built when the wrapped model is.

@@ -25,7 +25,14 @@ import tensorflow as tf
 
 from gacli import _keras_compat as compat
 from gacli.options import LossNormalization, NonFinite, PartialWindow, Reduction
-from gacli.settings import AccumulationConfig, shows_config_defaults, validate_accum_steps
+from gacli.settings import (
+    AccumulationConfig,
+    pop_settings,
+    settings_as_attributes,
+    shows_config_defaults,
+    take_agc_alias,
+    validate_accum_steps,
+)
 from gacli.window import LossScale, NoiseScale, NonFiniteGuard, Window
 
 __all__ = [
@@ -100,13 +107,6 @@ def _state(part, name, setting):
     return vars(part)[name]
 
 
-def _settings(config, **given):
-    """An AccumulationConfig from ``config`` and the arguments given (None: not given)."""
-    return AccumulationConfig.from_kwargs(
-        config, **{name: value for name, value in given.items() if value is not None}
-    )
-
-
 def _check_arguments(kwargs, mixed_precision):
     misplaced = sorted(key for key in kwargs if key in _INNER_ONLY_ARGUMENTS)
     if misplaced:
@@ -132,29 +132,21 @@ def _optimizer_settings(config, kwargs, mixed_precision, **given):
     """The optimizer's AccumulationConfig: ``config``, the arguments given (None: not given) and
     any other setting in ``kwargs`` (``agc`` is ``use_agc``, the older README's name); loss
     scaling follows the global policy unless set, and turns on the skip of overflows."""
-    agc = kwargs.pop("agc", None)
-    if agc is not None and given.get("use_agc") not in (None, agc):
-        raise ValueError("agc and use_agc are the same setting; pass one of them.")
-    given["use_agc"] = agc if given.get("use_agc") is None else given["use_agc"]
-    given.update({name: kwargs.pop(name) for name in AccumulationConfig.fields() if name in kwargs})
+    given = take_agc_alias(given, kwargs.pop("agc", None))
+    given.update(pop_settings(kwargs))
     _check_arguments(kwargs, mixed_precision)
-    config = _settings(config, **given)
+    config = AccumulationConfig.given(config, **given)
     if config.loss_normalization is not LossNormalization.batch:
         raise ValueError(
             "loss_normalization is a setting of the model wrappers (it changes the loss, "
             "which an optimizer never sees); pass it to gacli.GradientAccumulateModel or "
             "gacli.wrap_model."
         )
-    if config.loss_scaling is None:
-        config = config.replace(
-            loss_scaling=keras.mixed_precision.global_policy().name == "mixed_float16"
-        )
-    if config.nonfinite is None and config.loss_scaling:
-        config = config.replace(nonfinite=NonFinite.skip_micro_batch)
-    return config
+    return config.for_policy(keras.mixed_precision.global_policy().name)
 
 
 @keras.saving.register_keras_serializable(package="gacli")
+@settings_as_attributes("config")
 class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     """Wraps any Keras 3 optimizer so that it updates once every ``accum_steps`` calls.
 
@@ -274,19 +266,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if name == "loss_scale_factor" and getattr(self, "_constructed", False):
             raise ValueError(_LOSS_SCALE_OPTIMIZER)
         super().__setattr__(name, value)
-
-    # -- the settings, as attributes --------------------------------------------------------------
-    accum_steps = property(lambda self: self.config.accum_steps)
-    reduction = property(lambda self: self.config.reduction)
-    use_agc = property(lambda self: self.config.use_agc)
-    clip_factor = property(lambda self: self.config.clip_factor)
-    eps = property(lambda self: self.config.eps)
-    partial_window = property(lambda self: self.config.partial_window)
-    accumulator_dtype = property(lambda self: self.config.accumulator_dtype)
-    loss_scaling = property(lambda self: self.config.loss_scaling)
-    initial_scale = property(lambda self: self.config.initial_scale)
-    dynamic_growth_steps = property(lambda self: self.config.dynamic_growth_steps)
-    nonfinite = property(lambda self: self.config.nonfinite)
 
     # -- state ------------------------------------------------------------------------------------
     def _add_state(self, name, shape=(), dtype="float32", per_replica=False, initial_value=0.0):

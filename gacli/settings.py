@@ -152,8 +152,28 @@ class AccumulationConfig:
             config = cls(**config)
         return dataclasses.replace(config, **settings) if settings else config
 
+    @classmethod
+    def given(cls, config=None, **settings):
+        """:meth:`from_kwargs` with the settings that were given: ``None`` means "not given" (the
+        wrappers' arguments default to None, and this dataclass holds the defaults)."""
+        return cls.from_kwargs(
+            config, **{name: value for name, value in settings.items() if value is not None}
+        )
+
     def replace(self, **settings):
         return dataclasses.replace(self, **settings)
+
+    def for_policy(self, policy_name):
+        """These settings with the defaults that follow the dtype policy filled in: loss
+        scaling on under ``mixed_float16``, and with loss scaling, ``nonfinite="skip_micro_batch"``
+        (an overflow there is routine). A model wrapper passes its model's policy; an optimizer
+        made on its own, the global policy as it is made (the only one it can know)."""
+        config = self
+        if config.loss_scaling is None:
+            config = config.replace(loss_scaling=policy_name == "mixed_float16")
+        if config.nonfinite is None and config.loss_scaling:
+            config = config.replace(nonfinite=NonFinite.skip_micro_batch)
+        return config
 
     def to_dict(self):
         """Plain values (strings for the choices): what ``get_config`` stores."""
@@ -161,6 +181,40 @@ class AccumulationConfig:
             name: getattr(value, "value", value)
             for name, value in ((name, getattr(self, name)) for name in self.fields())
         }
+
+
+def take_agc_alias(settings, agc):
+    """``settings`` with ``agc``, the older package's name of ``use_agc``, folded in."""
+    if agc is not None:
+        if settings.get("use_agc") not in (None, agc):
+            raise ValueError("agc and use_agc are the same setting; pass one of them.")
+        settings["use_agc"] = agc
+    return settings
+
+
+def pop_settings(kwargs):
+    """Pop the accumulation settings, and the ``agc`` alias, out of a constructor's
+    ``**kwargs``."""
+    settings = {name: kwargs.pop(name) for name in AccumulationConfig.fields() if name in kwargs}
+    return take_agc_alias(settings, kwargs.pop("agc", None))
+
+
+def settings_as_attributes(attribute):
+    """Class decorator: every :class:`AccumulationConfig` setting can be read as an attribute of
+    the instances (``model.accum_steps``, the older package's names), from the
+    AccumulationConfig they hold in ``attribute``; a name the class defines itself is left to it.
+    """
+
+    def setting(name):
+        return property(lambda self: getattr(getattr(self, attribute), name))
+
+    def decorate(cls):
+        for name in AccumulationConfig.fields():
+            if not hasattr(cls, name):
+                setattr(cls, name, setting(name))
+        return cls
+
+    return decorate
 
 
 def shows_config_defaults(function):

@@ -110,7 +110,9 @@ def _check_labels(y, cfg, source, num_outputs, name=lambda row: f"row {row}"):
     return classes
 
 
-def _from_arrays(x, y, cfg, seed, task, num_outputs=None, source=None):
+def _from_arrays(arrays, cfg, seed, task, num_outputs=None, source=None):
+    """The DataBundle of ``arrays`` = (inputs, targets), one row per sample."""
+    x, y = arrays
     source = source or f"dataset {cfg.name}"
     if len(x) != len(y):
         raise ConfigError(
@@ -150,8 +152,7 @@ def digits(cfg, seed):
     data = load_digits()
     x = (data.images / 16.0).astype("float32")[..., None]
     return _from_arrays(
-        x,
-        data.target.astype("int32"),
+        (x, data.target.astype("int32")),
         cfg,
         seed,
         "classification",
@@ -179,7 +180,7 @@ def shapes(cfg, seed):
             images[index][shape] += 1.0
     x = np.repeat(images[..., None], cfg.channels, axis=-1)
     return _from_arrays(
-        x, masks[..., None], cfg, seed, "segmentation", 1, source=f"shapes (seed {seed})"
+        (x, masks[..., None]), cfg, seed, "segmentation", 1, source=f"shapes (seed {seed})"
     )
 
 
@@ -201,13 +202,13 @@ def npz(cfg, seed):
     x, y = _read_npz(path, cfg)
     source = os.path.basename(path)
     if y.ndim >= 2 and y.shape[1:-1] == x.shape[1:-1] and y.ndim == x.ndim:
-        return _from_arrays(x, y, cfg, seed, "segmentation", y.shape[-1], source=source)
+        return _from_arrays((x, y), cfg, seed, "segmentation", y.shape[-1], source=source)
     if y.ndim > 1 and int(np.prod(y.shape[1:])) != 1:
         raise ConfigError(
             f"{source}: '{cfg.y_key}' has shape {y.shape}, neither one label per sample nor a "
             "mask per image; give integer labels of shape (samples,) (one-hot: y.argmax(axis=1))."
         )
-    return _from_arrays(x, y.reshape(len(y)), cfg, seed, "classification", source=source)
+    return _from_arrays((x, y.reshape(len(y))), cfg, seed, "classification", source=source)
 
 
 def _read_npz(path, cfg):

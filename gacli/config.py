@@ -15,6 +15,11 @@ from omegaconf import MISSING
 
 from gacli.errors import ConfigError, Interrupted  # noqa: F401  (imported from here by callers)
 from gacli.options import BatchNormPolicy, NonFinite, PartialWindow
+from gacli.settings import AccumulationConfig
+
+# The accumulation settings that ga-train shares with the library take the library's defaults;
+# the one that differs, nonfinite, is gacli.train.NONFINITE_WITHOUT_LOSS_SCALING.
+_LIBRARY = AccumulationConfig()
 
 # Enum members are lower case because OmegaConf matches a YAML/command-line string to a member by
 # its name: optimizer.name=adam must find OptimizerName.adam (see gacli.options).
@@ -123,13 +128,13 @@ class DatasetConfig:
 @dataclass
 class OptimizerConfig:
     name: OptimizerName = OptimizerName.adam
-    learning_rate: float = 1e-3
+    learning_rate: float = MISSING  # the optimizer group's file, then configs/train.yaml
     momentum: float = 0.9  # the momentum optimizer's momentum
     weight_decay: float = 0.0  # adamw (decoupled); other optimizers: Keras' weight_decay
     clipnorm: Optional[float] = None
     global_clipnorm: Optional[float] = None
-    use_agc: bool = False
-    clip_factor: float = 0.01
+    use_agc: bool = _LIBRARY.use_agc
+    clip_factor: float = _LIBRARY.clip_factor
     use_ema: bool = False
     schedule: Schedule = Schedule.constant
     warmup_updates: int = 0  # linear warm-up, in optimizer updates
@@ -143,7 +148,8 @@ class OptimizerConfig:
 @dataclass
 class PrecisionConfig:
     policy: Policy = Policy.fp32
-    nonfinite: Optional[NonFinite] = None  # default skip_micro_batch under mixed_float16
+    # None: skip_micro_batch under mixed_float16 (the library's), stop otherwise (ga-train's own)
+    nonfinite: Optional[NonFinite] = None
 
 
 class ClusterSource(str, enum.Enum):
@@ -189,16 +195,17 @@ class TrainConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     # Samples per forward/backward pass, per replica; "auto": the largest that fits the device.
-    micro_batch_size: Any = None
-    accum_steps: Optional[int] = None  # micro-batches per optimizer update
+    # The default job's values of these are in configs/train.yaml; null: derived from the others.
+    micro_batch_size: Any = MISSING
+    accum_steps: Optional[int] = MISSING  # micro-batches per optimizer update
     effective_batch_size: Optional[int] = None  # micro x accum x replicas
     auto_batch: AutoBatchConfig = field(default_factory=AutoBatchConfig)
     oom: OutOfMemory = OutOfMemory.fail  # an out-of-memory error while training
     wrapper: Wrapper = Wrapper.auto
-    partial_window: PartialWindow = PartialWindow.apply
+    partial_window: PartialWindow = _LIBRARY.partial_window
     batchnorm: BatchNormPolicy = BatchNormPolicy.keep
     precise_bn_micro_batches: int = 200  # batchnorm=precise: training micro-batches pooled
-    epochs: int = 1
+    epochs: int = MISSING  # configs/train.yaml
     steps_per_epoch: Optional[int] = None  # optimizer updates per epoch (None: one data pass)
     seed: int = 0
     jit_compile: bool = False

@@ -47,7 +47,7 @@ from gacli.memory_stats import reset_memory_peaks
 from gacli.models import build_model
 from gacli.oom import WindowStart, oom_line, out_of_memory_message, position_in, smaller_plan
 from gacli.optimizers import build_optimizer
-from gacli.options import BatchNormPolicy
+from gacli.options import BatchNormPolicy, NonFinite
 from gacli.precise_batchnorm import PreciseBatchNorm
 from gacli.run_logging import TensorBoardLogger, host_memory_bytes
 from gacli.rundir import (
@@ -71,6 +71,11 @@ from gacli.runstate import (
 from gacli.settings import AccumulationConfig
 from gacli.strategy import is_multi_worker, make_strategy
 from gacli.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
+
+# ga-train's one default that differs from the library's (README, "Options"): without loss
+# scaling a non-finite gradient stops the run, so that a nan never reaches the weights unnoticed;
+# the library leaves it unchecked there.
+NONFINITE_WITHOUT_LOSS_SCALING = NonFinite.stop
 
 _KERAS_POLICY = {
     Policy.fp32: "float32",
@@ -606,12 +611,14 @@ def _check_fits(model, data):
 
 
 def _nonfinite_policy(precision):
-    """The configured policy; by default loss scaling's skip under mixed_float16 (an overflow
-    there is routine: the scale halves and training goes on) and stop otherwise, so that a nan
-    never reaches the weights unnoticed."""
+    """The configured ``precision.nonfinite``; unset, the library's default under
+    ``mixed_float16`` (loss scaling's skip: an overflow there is routine, the scale halves and
+    training goes on) and ga-train's own otherwise."""
     if precision.nonfinite is not None:
-        return precision.nonfinite.value
-    return "skip_micro_batch" if precision.policy == Policy.mixed_float16 else "stop"
+        return precision.nonfinite
+    if precision.policy == Policy.mixed_float16:
+        return None  # AccumulationConfig.for_policy fills it in
+    return NONFINITE_WITHOUT_LOSS_SCALING
 
 
 def _check_batch_fits_data(cfg, plan, train_size):

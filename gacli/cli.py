@@ -215,6 +215,18 @@ def _resolve_resume(overrides, label):
     ]
 
 
+@dataclass(frozen=True)
+class _Command:
+    """A command line, checked: what Hydra is started with."""
+
+    config_path: str  # for hydra.main
+    config_name: str
+    label: str  # the config= value as runs are named by it
+    options: list  # Hydra's own (-m, --cfg job, ...)
+    assignments: list  # key=value
+    overrides: list  # both, as given (resume= resolved)
+
+
 @dataclass
 class _Launch:
     """What ``main`` learnt before Hydra ran, for the job(s) it runs."""
@@ -272,13 +284,12 @@ def main(argv=None):
         return _error(error)
     if checked is None:
         return 0  # --help was printed
-    return _run_hydra(*checked, launch)
+    return _run_hydra(checked, launch)
 
 
 def _check_command_line(argv, launch):
     """Everything checked before Hydra starts: the config file, the overrides, the run
-    directories. Returns (config path, config name, label, Hydra options, assignments,
-    overrides), or None after printing --help."""
+    directories. Returns a :class:`_Command`, or None after printing --help."""
     config, overrides = _split_config_argument(argv)
     config_path, config_name, label = locate_config(config)
     if any(flag in overrides for flag in ("--help", "-h")):
@@ -316,19 +327,21 @@ def _check_command_line(argv, launch):
     assignments = [a for a in overrides if not (a.startswith("-") or "=" not in a)]
     if not any(o.startswith(("--cfg", "--info", "-c", "-i")) for o in options):
         _check_run_dirs(options, assignments, launch)
-    return config_path, config_name, label, options, assignments, overrides
+    return _Command(config_path, config_name, label, options, assignments, overrides)
 
 
-def _run_hydra(config_path, config_name, label, options, assignments, overrides, launch):
+def _run_hydra(command, launch):
     """Compose the config with Hydra and run the job(s); the exit code."""
     import hydra
+
+    overrides = command.overrides
 
     from gacli.config import register_configs
 
     register_configs()
     # hydra/job_logging=stdout: Python logging to the terminal only, no empty <job>.log per run.
     extra = [
-        f"config={label}",
+        f"config={command.label}",
         "hydra.searchpath=[pkg://gacli.configs]",
         "hydra/job_logging=stdout",
     ]
@@ -348,9 +361,12 @@ def _run_hydra(config_path, config_name, label, options, assignments, overrides,
         return _task(cfg, launch)
 
     saved_argv = sys.argv
-    sys.argv = [sys.argv[0] if sys.argv else "ga-train"] + options + assignments + extra
+    sys.argv = [sys.argv[0] if sys.argv else "ga-train"]
+    sys.argv += command.options + command.assignments + extra
     try:
-        hydra.main(version_base="1.3", config_path=config_path, config_name=config_name)(task)()
+        hydra.main(
+            version_base="1.3", config_path=command.config_path, config_name=command.config_name
+        )(task)()
     except SystemExit as stop:
         if stop.code == 1 and not launch.started:
             return EXIT_USAGE  # Hydra could not compose the config; it said why

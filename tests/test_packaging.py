@@ -62,17 +62,45 @@ def test_the_readme_speaks_to_outsiders():
 
 
 def _sources():
+    """(path under gacli/, text) of every module of the package, in its folders too."""
     folder = os.path.join(ROOT, "gacli")
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name)) as source:
-                yield name, source.read()
+    for directory, _, names in sorted(os.walk(folder)):
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                with open(path) as source:
+                    yield os.path.relpath(path, folder), source.read()
 
 
 def test_keras_internals_are_reached_from_one_module():
-    """Only gacli/_keras_compat.py imports keras.src: a Keras upgrade has one file to check."""
+    """Only _keras_compat.py imports keras.src: a Keras upgrade has one file to check."""
     reaching = [name for name, text in _sources() if "keras.src" in text]
-    assert reaching == ["_keras_compat.py"]
+    assert [os.path.basename(name) for name in reaching] == ["_keras_compat.py"]
+
+
+def test_functions_take_at_most_six_parameters():
+    """A function that needs more takes an object that holds them (constructors excepted)."""
+    import ast
+
+    wide = []
+    for name, text in _sources():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                node.name != "__init__"
+            ):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                count = len([a for a in arguments if a.arg not in ("self", "cls")])
+                if count > 6:
+                    wide.append(f"{name}:{node.name} ({count})")
+    assert not wide, wide
+
+
+def test_doc_paths_cited_in_the_code_exist():
+    import re
+
+    cited = {path for _, text in _sources() for path in re.findall(r"docs/[\w./-]+\w", text)}
+    missing = sorted(path for path in cited if not os.path.exists(os.path.join(ROOT, path)))
+    assert not missing, missing
 
 
 def test_functions_fit_on_a_screen():

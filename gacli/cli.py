@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib import metadata, resources
 
 from gacli import rundir
-from gacli.config import FREE_ON_RESUME
+from gacli.config import FREE_ON_RESUME, GROUPS
 from gacli.errors import EXIT_USAGE, ConfigError, Interrupted, ProcessUnusable, TrainingFailed
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -29,8 +29,8 @@ _HELP = """ga-train: train a Keras model with exact gradient accumulation.
   ga-train config=unet.yaml resume=true        continue this command's interrupted run
 
 Shipped recipes: {recipes}
-Config groups: model={models}  dataset={datasets}
-  optimizer={optimizers}  precision={precisions}  strategy={strategies}
+Config groups: model={model}  dataset={dataset}
+  optimizer={optimizer}  precision={precision}  strategy={strategy}
 
 Every key can be overridden as key=value; --cfg job prints the composed config, --info where
 each part of it came from, --version the versions of gacli, TensorFlow and Keras. The README has
@@ -296,20 +296,11 @@ def _check_command_line(argv, launch):
         print(
             _HELP.format(
                 recipes=", ".join(r + ".yaml" for r in _names("gacli.recipes")),
-                **{
-                    plural: ", ".join(_names("gacli.configs", group))
-                    for group, plural in (
-                        ("model", "models"),
-                        ("dataset", "datasets"),
-                        ("optimizer", "optimizers"),
-                        ("precision", "precisions"),
-                        ("strategy", "strategies"),
-                    )
-                },
+                **{group: ", ".join(_names("gacli.configs", group)) for group in GROUPS},
             )
         )
         return None
-    from gacli.user_config import GROUPS, check_overrides, check_user_yaml
+    from gacli.user_config import check_overrides, check_user_yaml
 
     if not config_path.startswith("pkg://"):
         check_user_yaml(

@@ -218,17 +218,25 @@ class TrainConfig:
     output_dir: str = MISSING  # set from the Hydra run directory
 
 
+# The config groups, each a folder of YAML files under configs/, by the dataclass that types them:
+# the one list that the schema, the key check and --help read.
+GROUPS = {
+    "model": ModelConfig,
+    "dataset": DatasetConfig,
+    "optimizer": OptimizerConfig,
+    "precision": PrecisionConfig,
+    "strategy": StrategyConfig,
+}
+
+
 def register_configs():
     """Register the schema so that YAML files are validated against it."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
     store.store(name="gacli_schema", node=TrainConfig)
-    store.store(group="model", name="gacli_schema", node=ModelConfig)
-    store.store(group="dataset", name="gacli_schema", node=DatasetConfig)
-    store.store(group="optimizer", name="gacli_schema", node=OptimizerConfig)
-    store.store(group="precision", name="gacli_schema", node=PrecisionConfig)
-    store.store(group="strategy", name="gacli_schema", node=StrategyConfig)
+    for group, schema in GROUPS.items():
+        store.store(group=group, name="gacli_schema", node=schema)
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,9 @@ import typing
 
 import yaml
 
-from gacli.config import TrainConfig
+from gacli.config import GROUPS, TrainConfig
 from gacli.errors import ConfigError
 
-GROUPS = ("model", "dataset", "optimizer", "precision", "strategy")
 _DEFAULTS_LINES = "defaults:\n  - /train\n  - _self_"
 
 

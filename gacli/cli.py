@@ -43,7 +43,10 @@ _HYDRA_HELP = """ga-train passes these Hydra options through:
   --resolve                with --cfg, resolve ${...} interpolations
   --info [all|config|defaults|defaults-tree|plugins|searchpath]
   -m, --multirun           one job per combination of comma-separated values
-Hydra's own settings are keys under hydra., e.g. hydra.run.dir=runs/first.
+Hydra's own settings are keys under hydra., e.g. hydra.run.dir=runs/first; with -m, its
+launcher and sweeper plugins (pip install "gacli[slurm]"):
+  hydra/launcher=submitit_slurm|joblib     one SLURM job, or one local process, per setting
+  hydra/sweeper=optuna                     a search that optimises the job's objective=
 """
 
 
@@ -166,6 +169,43 @@ def _last_unfinished_run(label, assignments):
     )
 
 
+class AlreadyFinished(Exception):
+    """A requeued job whose run had finished before SLURM stopped it: nothing is left to do."""
+
+
+def _resume_after_requeue(overrides):
+    """A SLURM job started again (requeued, or preempted with --requeue) goes on from its run.
+
+    SLURM runs the job's script again with the same job id, so ``hydra.run.dir=runs/$SLURM_JOB_ID``
+    names the first start's directory; ``SLURM_RESTART_COUNT`` says it is a restart. Its
+    checkpoints are continued (``resume=<that dir>``); a run that finished meanwhile is left as it
+    is. A directory without checkpoints is started afresh, as it would be on the first start.
+    """
+    from gacli import slurm
+
+    given = [o.split("=", 1)[1].strip("'\"") for o in overrides if _key(o) == "hydra.run.dir"]
+    if not slurm.restart_count() or not given or "${" in given[-1] or _key_given(overrides):
+        return overrides
+    run_dir = os.path.abspath(os.path.expanduser(given[-1]))
+    if os.path.exists(os.path.join(run_dir, rundir.RESULT_FILE)):
+        raise AlreadyFinished(
+            f"SLURM restart {slurm.restart_count()} of job {os.environ.get('SLURM_JOB_ID')}: "
+            f"{run_dir} holds the run, finished before the restart; nothing to do."
+        )
+    if not rundir.checkpoint_numbers(run_dir):
+        return overrides
+    print(
+        f"ga-train: SLURM restart {slurm.restart_count()} of job "
+        f"{os.environ.get('SLURM_JOB_ID')}: going on from the checkpoints in {run_dir}",
+        file=sys.stderr,
+    )
+    return [*overrides, f"resume={run_dir}"]
+
+
+def _key_given(overrides, key="resume"):
+    return any(_key(o) == key for o in overrides)
+
+
 def _resolve_resume(overrides, label):
     """``resume=true`` or ``resume=<run dir>`` becomes that directory, as the run directory too.
 
@@ -233,7 +273,8 @@ class _Launch:
 
     command: str
     kept_dir: str = None  # a hydra.run.dir that existed before this run: never removed
-    started: bool = False  # a job began; before it, an exit of 1 is Hydra's config error
+    started: bool = False  # a job began here; before it, an exit of 1 is Hydra's config error
+    in_other_process: bool = False  # jobs run by a launcher's processes (joblib, submitit)
 
 
 def _check_run_dirs(options, assignments, launch):
@@ -282,6 +323,9 @@ def main(argv=None):
         checked = _check_command_line(argv, launch)
     except ConfigError as error:
         return _error(error)
+    except AlreadyFinished as finished:
+        print(f"ga-train: {finished}", file=sys.stderr)
+        return 0
     if checked is None:
         return 0  # --help was printed
     return _run_hydra(checked, launch)
@@ -314,7 +358,12 @@ def _check_command_line(argv, launch):
         "--info=all" if a == "--info" else a for a in overrides if a.startswith("-") or "=" not in a
     ]
     check_overrides([a for a in overrides if a not in options and a != "--info"])
-    overrides = _resolve_resume(overrides, label)
+    from gacli.plugins import check_choices
+
+    check_choices(
+        [a for a in overrides if a not in options], any(o in ("-m", "--multirun") for o in options)
+    )
+    overrides = _resolve_resume(_resume_after_requeue(overrides), label)
     assignments = [a for a in overrides if not (a.startswith("-") or "=" not in a)]
     if not any(o.startswith(("--cfg", "--info", "-c", "-i")) for o in options):
         _check_run_dirs(options, assignments, launch)
@@ -336,6 +385,11 @@ def _run_hydra(command, launch):
         "hydra.searchpath=[pkg://gacli.configs]",
         "hydra/job_logging=stdout",
     ]
+    if not rundir.is_chief():
+        # Other workers share the chief's run directory (or have one that holds nothing): only
+        # the chief writes Hydra's record of the job there.
+        assignments = [a for a in assignments if _key(a) != "hydra.output_subdir"]
+        extra.append("hydra.output_subdir=null")
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
         extra.append(f"hydra.run.dir={_RUN_DIR}")
     if not any(o.startswith("hydra.sweep.dir=") for o in overrides):
@@ -360,7 +414,11 @@ def _run_hydra(command, launch):
         )(task)()
     except SystemExit as stop:
         if stop.code == 1 and not launch.started:
-            return EXIT_USAGE  # Hydra could not compose the config; it said why
+            from gacli.plugins import FAILED_JOBS
+
+            # A job another process ran failed (Hydra printed its paragraph): its exit code.
+            # Otherwise Hydra could not compose the config, and said why.
+            return max(FAILED_JOBS) if FAILED_JOBS else EXIT_USAGE
         raise
     finally:
         sys.argv = saved_argv
@@ -368,59 +426,145 @@ def _run_hydra(command, launch):
 
 
 def _task(cfg, launch):
-    """One job: validate, train, return the metric a sweeper would minimise."""
+    """One job: validate, train, return the objective a sweeper optimises (gacli.objective).
+
+    Under a sweeper that optimises (Optuna), a job that fails on its settings or in training
+    returns None, a failed trial, and the search goes on; elsewhere it ends the command with its
+    exit code.
+    """
     from hydra.core.hydra_config import HydraConfig
+
+    from gacli import objective
 
     launch.started = True
     hydra_config = HydraConfig.get()
+    launch.in_other_process = _parallel_jobs(hydra_config)
     run_dir = hydra_config.runtime.output_dir
-    given = {
-        override.split("=", 1)[0].lstrip("+~")
-        for override in hydra_config.overrides.task
-        if "=" in override
-    }
+    directions = _sweeper_directions(hydra_config)
     try:
-        from gacli.config import validate
-
-        validate(cfg, given)
-        if rundir.is_chief():
-            rundir.lock(run_dir, launch.command)
-        from gacli.quiet import tensorflow_startup
-
-        with tensorflow_startup():
-            import tensorflow as tf
-
-            tf.config.list_physical_devices()  # CUDA's probe, and its messages, happen here
-        from gacli.train import train
-
-        metrics = train(
-            cfg, run_dir=run_dir, given=given, parallel_jobs=_parallel_jobs(hydra_config)
-        )
-    except ConfigError as error:
-        if not cfg.resume and os.path.realpath(run_dir) != os.path.realpath(launch.kept_dir or ""):
-            rundir.discard_unstarted(run_dir)
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        sys.exit(_error(error))
-    except (TrainingFailed, Interrupted) as stop:
-        if isinstance(stop, TrainingFailed) and rundir.is_chief():
-            rundir.record_failure(run_dir, stop.exit_code, str(stop))
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"ga-train: {stop}", file=sys.stderr)
-        if isinstance(stop, ProcessUnusable):
-            rundir.release(run_dir)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(stop.exit_code)  # freeing the damaged variables would abort the process
-        sys.exit(stop.exit_code)
+        objective.check(cfg.objective, cfg.dataset.validation_split, directions)
+    except ConfigError as error:  # the same for every trial: the sweep itself is wrong
+        _exit_on(error, run_dir, cfg, launch)
+    try:
+        metrics = _train(cfg, hydra_config, run_dir, launch)
+        name = objective.metric_name(cfg.objective, cfg.dataset.validation_split)
+        return objective.value(name, metrics)
+    except (ConfigError, TrainingFailed) as error:
+        if directions is None or isinstance(error, ProcessUnusable):
+            _exit_on(error, run_dir, cfg, launch)
+        _record(error, run_dir, cfg, launch)
+        print(f"ga-train: this trial failed, the sweep goes on: {error}", file=sys.stderr)
+        return objective.FAILED
+    except Interrupted as stop:
+        _exit_on(stop, run_dir, cfg, launch)
     except Exception as error:
         if rundir.is_chief():
             rundir.record_failure(run_dir, 1, f"{type(error).__name__}: {error}")
         raise  # an error nobody foresaw: Hydra prints where it happened, exit code 1
     finally:
         rundir.release(run_dir)
-    return metrics.get("val_loss", metrics.get("loss"))
+
+
+def _train(cfg, hydra_config, run_dir, launch):
+    """Validate, take the run directory, start TensorFlow and train; the final metrics."""
+    given = {
+        override.split("=", 1)[0].lstrip("+~")
+        for override in hydra_config.overrides.task
+        if "=" in override
+    }
+    from gacli.config import validate
+
+    validate(cfg, given)
+    _resume_requeued_job(cfg, run_dir)
+    _join_slurm_cluster(cfg)
+    if rundir.is_chief():
+        rundir.lock(run_dir, launch.command)
+    from gacli.quiet import tensorflow_startup
+
+    with tensorflow_startup():
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()  # CUDA's probe, and its messages, happen here
+    from gacli.train import train
+
+    return train(cfg, run_dir=run_dir, given=given, parallel_jobs=_parallel_jobs(hydra_config))
+
+
+def _join_slurm_cluster(cfg):
+    """TF_CONFIG (and each task's GPUs) from SLURM, before the chief check and TensorFlow; and a
+    refusal of several SLURM tasks that would each train alone."""
+    from gacli import slurm
+    from gacli.config import ClusterSource, StrategyName
+
+    several = cfg.strategy.name == StrategyName.multi_worker
+    if several and cfg.strategy.cluster == ClusterSource.slurm:
+        slurm.configure(port=cfg.strategy.port)
+        return
+    tasks = os.environ.get("SLURM_NTASKS", "1")
+    if "SLURM_STEP_ID" in os.environ and tasks.isdigit() and int(tasks) > 1 and not several:
+        raise ConfigError(
+            f"this is one of {tasks} SLURM tasks, but strategy={cfg.strategy.name.value} trains "
+            "in one process, so each task would train the same model alone. To train together, "
+            "add strategy=multi_worker strategy.cluster=slurm; to train once, start one task "
+            "(srun -n1, or hydra.launcher.tasks_per_node=1)."
+        )
+
+
+def _resume_requeued_job(cfg, run_dir):
+    """A job that SLURM started again inside a launcher (submitit requeues a preempted job and
+    runs the same job in the same directory) goes on from its checkpoints."""
+    from gacli import slurm
+
+    if not cfg.resume and slurm.restart_count() and rundir.checkpoint_numbers(run_dir):
+        print(
+            f"ga-train: SLURM restart {slurm.restart_count()}: going on from the checkpoints in "
+            f"{run_dir}",
+            file=sys.stderr,
+        )
+        cfg.resume = run_dir
+
+
+def _record(error, run_dir, cfg, launch):
+    """What a failed job leaves: failure.json after training began; nothing before it."""
+    if isinstance(error, ConfigError):
+        if not cfg.resume and os.path.realpath(run_dir) != os.path.realpath(launch.kept_dir or ""):
+            rundir.discard_unstarted(run_dir)
+    elif isinstance(error, TrainingFailed) and rundir.is_chief():
+        rundir.record_failure(run_dir, error.exit_code, str(error))
+
+
+def _exit_on(error, run_dir, cfg, launch):
+    """End the command on ``error``: its one paragraph and exit code (a traceback with
+    HYDRA_FULL_ERROR=1)."""
+    _record(error, run_dir, cfg, launch)
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    print(f"ga-train: {error}", file=sys.stderr)
+    if launch.in_other_process and not isinstance(error, ProcessUnusable):
+        from gacli.plugins import JobFailed
+
+        raise JobFailed(f"ga-train: {error}", error.exit_code) from None
+    if isinstance(error, ProcessUnusable):
+        rundir.release(run_dir)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(error.exit_code)  # freeing the damaged variables would abort the process
+    sys.exit(error.exit_code)
+
+
+def _sweeper_directions(hydra_config):
+    """The direction(s) the job's sweeper optimises, or None for one that optimises nothing."""
+    from omegaconf import OmegaConf
+
+    sweeper = hydra_config.sweeper
+    if "direction" in sweeper:  # Optuna: minimize, maximize, or a list for several objectives
+        direction = sweeper.direction
+        return list(direction) if OmegaConf.is_list(direction) else direction
+    maximize = OmegaConf.select(sweeper, "optim.maximize")  # Nevergrad
+    if maximize is None:
+        minimize = OmegaConf.select(sweeper, "ax_config.experiment.minimize")  # Ax
+        maximize = None if minimize is None else not minimize
+    return None if maximize is None else ("maximize" if maximize else "minimize")
 
 
 def _parallel_jobs(hydra_config):

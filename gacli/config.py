@@ -34,6 +34,7 @@ FREE_ON_RESUME = (
     "monitor",
     "oom",
     "auto_batch",
+    "objective",
 )
 AUTO = "auto"  # micro_batch_size=auto: probe the device for the micro-batch
 
@@ -154,7 +155,7 @@ class PrecisionConfig:
 
 class ClusterSource(str, enum.Enum):
     tf_config = "tf_config"  # the TF_CONFIG environment variable (Kubernetes, most launchers)
-    slurm = "slurm"  # SLURM's environment, through SlurmClusterResolver
+    slurm = "slurm"  # SLURM's environment, one worker per task (gacli.slurm)
 
 
 @dataclass
@@ -164,6 +165,9 @@ class StrategyConfig:
     devices: List[str] = field(default_factory=list)  # mirrored / one_device: explicit devices
     tpu: str = ""  # tpu: the TPU address ("" = local / from the environment)
     cluster: ClusterSource = ClusterSource.tf_config  # multi_worker: where the cluster is described
+    # cluster=slurm: the first worker port on each node, the node's next tasks the ports after it
+    # (None: a port from 20000 up that the SLURM job id picks, so jobs sharing a node differ).
+    port: Optional[int] = None
 
 
 @dataclass
@@ -215,6 +219,10 @@ class TrainConfig:
     checkpoint_every_updates: int = 0  # also a checkpoint every N updates (0: epoch ends only)
     resume: Optional[str] = None  # true: continue this command's last unfinished run; or its dir
     progress: Progress = Progress.auto
+    # The final metric the job returns to a Hydra sweeper (hydra/sweeper=optuna): loss, val_loss,
+    # or a compiled metric, val_ for validation (None: val_loss, or loss without validation data).
+    # Its direction follows from its name (gacli.objective).
+    objective: Optional[str] = None
     output_dir: str = MISSING  # set from the Hydra run directory
 
 

@@ -48,21 +48,9 @@ def make_strategy(cfg):
             devices = [device.name for device in cpus]
         return tf.distribute.MirroredStrategy(devices)
     if cfg.name == StrategyName.multi_worker and cfg.cluster == ClusterSource.slurm:
-        if "SLURM_PROCID" not in os.environ:
-            raise ConfigError(
-                "strategy.cluster=slurm reads the cluster from SLURM's environment, which is not "
-                "set: start one ga-train per task with srun (the README has an sbatch script), "
-                "or use strategy.cluster=tf_config with TF_CONFIG."
-            )
-        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
-        # Later readers (is_chief, Keras) see the same cluster as TF_CONFIG.
-        os.environ["TF_CONFIG"] = json.dumps(
-            {
-                "cluster": resolver.cluster_spec().as_dict(),
-                "task": {"type": resolver.task_type, "index": resolver.task_id},
-            }
-        )
-        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+        from gacli import slurm
+
+        slurm.configure(port=cfg.port)  # TF_CONFIG from SLURM's environment (done once)
     if cfg.name == StrategyName.multi_worker:
         config = os.environ.get("TF_CONFIG")
         if not config:

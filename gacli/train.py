@@ -45,6 +45,7 @@ from gacli.errors import ConfigError, ProcessUnusable, TrainingFailed
 from gacli.faults import install_fake_oom
 from gacli.memory_stats import reset_memory_peaks
 from gacli.models import build_model
+from gacli.objective import check_metric, metric_name
 from gacli.oom import WindowStart, oom_line, out_of_memory_message, position_in, smaller_plan
 from gacli.optimizers import build_optimizer
 from gacli.options import BatchNormPolicy, NonFinite
@@ -879,6 +880,11 @@ def build_job(cfg, plan, data, steps, strategy):
     """Model, batch-norm policy, inner optimizer and accumulation wrapper, compiled."""
     wrapper, reason = choose_wrapper(cfg)
     loss, metrics = loss_and_metrics(data.task, data.num_outputs)
+    check_metric(
+        metric_name(cfg.objective, cfg.dataset.validation_split),
+        [m if isinstance(m, str) else m.name for m in metrics],
+        validation=bool(cfg.dataset.validation_split),
+    )
     settings = accumulation_config(cfg, plan)
     with strategy.scope():
         keras.utils.set_random_seed(cfg.seed)

@@ -39,8 +39,8 @@ SCHEMA_KEYS = _fields(TrainConfig)
 
 def unknown_key(key):
     """None when ``key`` (dotted) is read by the config, else a ConfigError's message."""
-    if key in SCHEMA_KEYS or key.split(".", 1)[0] == "hydra":
-        return None
+    if key in SCHEMA_KEYS or key == "hydra" or key.startswith(("hydra.", "hydra/")):
+        return None  # Hydra's own settings and plugin choices (hydra/launcher=joblib): Hydra's
     parts = key.split(".")
     for end in range(len(parts) - 1, 0, -1):
         parent = ".".join(parts[:end])

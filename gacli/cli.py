@@ -374,9 +374,9 @@ def _run_hydra(command, launch):
     """Compose the config with Hydra and run the job(s); the exit code."""
     import hydra
 
-    overrides = command.overrides
-
     from gacli.config import register_configs
+
+    overrides, assignments = command.overrides, command.assignments
 
     register_configs()
     # hydra/job_logging=stdout: Python logging to the terminal only, no empty <job>.log per run.
@@ -407,7 +407,7 @@ def _run_hydra(command, launch):
 
     saved_argv = sys.argv
     sys.argv = [sys.argv[0] if sys.argv else "ga-train"]
-    sys.argv += command.options + command.assignments + extra
+    sys.argv += command.options + assignments + extra
     try:
         hydra.main(
             version_base="1.3", config_path=command.config_path, config_name=command.config_name

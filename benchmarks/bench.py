@@ -13,8 +13,8 @@ Configurations, all on the same model, data pipeline, loss, metrics and SGD opti
     gacli_model      gacli.wrap_model(model, accum_steps=k), batch b, steps_per_execution=k
     gacli_optimizer  gacli.GradientAccumulateOptimizer(SGD, accum_steps=k) in a plain Model,
                      steps_per_execution=k
-    ga_train         the ga-train command line (gacli.cli.main) on the same arrays (dataset=npz);
-                     it runs a window per call by default (steps_per_execution=k)
+    ga_train         the ga-train command line (gacli.runner.cli.main) on the same arrays
+                     (dataset=npz); it runs a window per call by default (steps_per_execution=k)
 and two references outside the targets, to show where the time goes:
     A_spe            A with steps_per_execution=k: plain Keras with the same calls
     gacli_model_1    gacli_model with one micro-batch a call (Keras' default)
@@ -206,9 +206,9 @@ def build_library_config(spec):
     import tensorflow as tf
 
     import gacli
-    from gacli.config import ModelConfig
-    from gacli.models import build_model
-    from gacli.train import loss_and_metrics
+    from gacli.runner.config import ModelConfig
+    from gacli.runner.models import build_model
+    from gacli.runner.train import loss_and_metrics
 
     name, k = spec["config"], spec["accum_steps"]
     batch_size = spec["micro_batch_size"] * (k if name == "B" else 1)
@@ -279,15 +279,16 @@ def run_library_config(spec, timer_window, build=None):
 def run_ga_train(spec, timer_window, job_dir):
     """The ga-train command line, in this process, with a timer in its progress-callback slot.
 
-    ``gacli.cli.main`` composes the config with Hydra, validates it and calls ``train()``, which
-    builds its own callbacks; the timer rides in a subclass of its ProgressCallback (progress=none,
-    so that callback does nothing else). Everything train() runs per batch (its TensorBoard logger
-    included) is inside the timed window; data loading, compile and the warm-up updates are not.
+    ``gacli.runner.cli.main`` composes the config with Hydra, validates it and calls ``train()``,
+    which builds its own callbacks; the timer rides in a subclass of its ProgressCallback
+    (progress=none, so that callback does nothing else). Everything train() runs per batch (its
+    TensorBoard logger included) is inside the timed window; data loading, compile and the warm-up
+    updates are not.
     """
     import numpy as np
 
-    import gacli.cli
-    import gacli.train
+    import gacli.runner.cli
+    import gacli.runner.train
 
     x, y = synthetic_arrays(spec)
     data_path = os.path.join(job_dir, "data.npz")
@@ -297,7 +298,7 @@ def run_ga_train(spec, timer_window, job_dir):
     measure_steps = timer_window["measure_samples"] // micro
     found = {}
 
-    class TimedProgress(gacli.train.ProgressCallback):
+    class TimedProgress(gacli.runner.train.ProgressCallback):
         def __init__(self, console, mode, plan, accumulator, *args, **kwargs):
             super().__init__(console, mode, plan, accumulator, *args, **kwargs)
             self.timer = WindowTimer(
@@ -319,7 +320,7 @@ def run_ga_train(spec, timer_window, job_dir):
             super().on_train_end(logs)
             found["params"] = self.model.count_params()
 
-    gacli.train.ProgressCallback = TimedProgress
+    gacli.runner.train.ProgressCallback = TimedProgress
     model_overrides = [f"model={spec['model']['name']}"] + [
         f"model.{key}={json.dumps(value).replace(' ', '')}"
         for key, value in spec["model"].items()
@@ -344,12 +345,12 @@ def run_ga_train(spec, timer_window, job_dir):
         f"hydra.run.dir={os.path.join(job_dir, 'run')}",
     ]
     rss_before_fit = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    status = gacli.cli.main(overrides)
+    status = gacli.runner.cli.main(overrides)
     if status:
         raise RuntimeError(f"ga-train exited with status {status}")
     if "timer" not in found:
         raise RuntimeError(
-            "train() created no gacli.train.ProgressCallback, which the timer "
+            "train() created no gacli.runner.train.ProgressCallback, which the timer "
             "rides in; update run_ga_train in bench.py"
         )
     return dict(
@@ -475,7 +476,7 @@ def ga_train_command():
     from shutil import which
 
     script = which("ga-train")
-    return [script] if script else [sys.executable, "-m", "gacli.cli"]
+    return [script] if script else [sys.executable, "-m", "gacli.runner.cli"]
 
 
 def time_startup(kind, rep, work_dir, threads):

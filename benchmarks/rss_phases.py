@@ -13,7 +13,7 @@ process per configuration, into the phases of one fit() of 2 + 4 windows:
 
 The trim here is the probe's own, done for every configuration alike (A and C included), so that
 "held - live" shows what compiling left free but resident. gacli's fit trims at the same point by
-itself (gacli.host_memory); plain Keras does not, so its RSS stays at "held" in a real run.
+itself (gacli.engine.host_memory); plain Keras does not, so its RSS stays at "held" in a real run.
 
     python benchmarks/rss_phases.py                     # UNet, jit off and on, 2 repetitions
     python benchmarks/rss_phases.py --models mlp --reps 1
@@ -40,8 +40,8 @@ def worker(spec):
     import keras
     import tensorflow as tf
 
-    from gacli.host_memory import release_free_memory
-    from gacli.run_logging import host_memory_bytes
+    from gacli.engine.host_memory import release_free_memory
+    from gacli.runner.run_logging import host_memory_bytes
 
     def rss_now():
         return host_memory_bytes()[0]

@@ -31,8 +31,8 @@ import bench  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from gacli.config import ModelConfig  # noqa: E402
-from gacli.models import build_model  # noqa: E402
+from gacli.runner.config import ModelConfig  # noqa: E402
+from gacli.runner.models import build_model  # noqa: E402
 
 
 def main():

@@ -13,29 +13,29 @@ from importlib import abc, import_module
 __version__ = "0.1.0"
 
 _LAZY = {
-    "GradientAccumulateOptimizer": "gacli.accumulation",
-    "AccumulationConfig": "gacli.settings",
-    "PartialWindow": "gacli.options",
-    "NonFinite": "gacli.options",
-    "LossNormalization": "gacli.options",
-    "find_accumulating_optimizer": "gacli.accumulation",
-    "NonFiniteError": "gacli.accumulation",
-    "StopOnNonFinite": "gacli.accumulation",
-    "GradientAccumulateModel": "gacli.accumulate_model",
-    "wrap_model": "gacli.accumulate_model",
-    "accumulation_callbacks": "gacli.accumulate_model",
-    "adaptive_clip_gradients": "gacli.clipping",
-    "agc_unit_axes": "gacli.clipping",
+    "GradientAccumulateOptimizer": "gacli.engine.accumulation",
+    "AccumulationConfig": "gacli.engine.settings",
+    "PartialWindow": "gacli.engine.options",
+    "NonFinite": "gacli.engine.options",
+    "LossNormalization": "gacli.engine.options",
+    "find_accumulating_optimizer": "gacli.engine.accumulation",
+    "NonFiniteError": "gacli.engine.accumulation",
+    "StopOnNonFinite": "gacli.engine.accumulation",
+    "GradientAccumulateModel": "gacli.engine.accumulate_model",
+    "wrap_model": "gacli.engine.accumulate_model",
+    "accumulation_callbacks": "gacli.engine.accumulate_model",
+    "adaptive_clip_gradients": "gacli.engine.clipping",
+    "agc_unit_axes": "gacli.engine.clipping",
     # gradient-accumulator's names, kept so its users' imports work unchanged.
-    "adaptive_clip_grad": "gacli.clipping",
-    "unitwise_norm": "gacli.clipping",
-    "compute_norm": "gacli.clipping",
-    "replace_batchnorm_layers": "gacli.batchnorm",
-    "AccumBatchNormalization": "gacli.batchnorm",
-    "BatchNormPolicy": "gacli.options",
-    "apply_batchnorm_policy": "gacli.batchnorm",
-    "PreciseBatchNorm": "gacli.precise_batchnorm",
-    "BatchNormStatistics": "gacli.precise_batchnorm",
+    "adaptive_clip_grad": "gacli.engine.clipping",
+    "unitwise_norm": "gacli.engine.clipping",
+    "compute_norm": "gacli.engine.clipping",
+    "replace_batchnorm_layers": "gacli.engine.batchnorm",
+    "AccumBatchNormalization": "gacli.engine.batchnorm",
+    "BatchNormPolicy": "gacli.engine.options",
+    "apply_batchnorm_policy": "gacli.engine.batchnorm",
+    "PreciseBatchNorm": "gacli.engine.precise_batchnorm",
+    "BatchNormStatistics": "gacli.engine.precise_batchnorm",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
@@ -43,10 +43,10 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 # The modules whose classes Keras deserialises by their registered names ("gacli>...").
 _SERIALIZABLE = (
-    "gacli.accumulation",
-    "gacli.accumulate_model",
-    "gacli.batchnorm",
-    "gacli.optimizers",
+    "gacli.engine.accumulation",
+    "gacli.engine.accumulate_model",
+    "gacli.engine.batchnorm",
+    "gacli.engine.schedules",
 )
 
 

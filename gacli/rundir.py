@@ -9,8 +9,8 @@
   checkpoints; one that failed on its input before training leaves nothing.
 
 No TensorFlow here: these checks answer before TensorFlow loads. Which checkpoint can really be
-restored is decided by :class:`gacli.runstate.RunState`, which reads every tensor; the cheap check
-here (an index file with its end marker, every data shard present) only picks candidates.
+restored is decided by :class:`gacli.runner.runstate.RunState`, which reads every tensor; the cheap
+check here (an index file with its end marker, every data shard present) only picks candidates.
 """
 
 import glob

@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util.tensor_util import make_ndarray
 
 import gacli
-from gacli.config import register_configs
+from gacli.runner.config import register_configs
 
 # Every weight difference a test measures, by test: conftest prints them at the end of the run,
 # so the numbers behind each contract row are visible, not just "passed".
@@ -322,9 +322,9 @@ def ga_train_big_batch_reference(cfg, window):
     (``pass_order``, which test_nonfinite checks against the stream ga-train reads), and a window
     is the next ``window`` samples of it, the last one of an epoch short (partial_window=apply).
     """
-    from gacli.data import load_dataset
-    from gacli.models import build_model
-    from gacli.runstate import pass_order
+    from gacli.runner.data import load_dataset
+    from gacli.runner.models import build_model
+    from gacli.runner.runstate import pass_order
 
     assert (cfg.optimizer.name.value, cfg.optimizer.schedule.value) == ("momentum", "constant")
     data = load_dataset(cfg.dataset, cfg.seed)
@@ -364,7 +364,7 @@ def scalars(events, tag):
 
 def final_weights(run_dir):
     """The weights of the model.keras a finished run saved."""
-    import gacli.accumulate_model  # noqa: F401  (registers the classes model.keras refers to)
+    import gacli.engine.accumulate_model  # noqa: F401  (registers the classes model.keras refers to)
 
     return keras.saving.load_model(os.path.join(run_dir, "model.keras")).get_weights()
 

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from gacli.autobatch import Probe, choose, ladder, search
-from gacli.config import AutoPlan, ConfigError, resolve_batch
-from gacli.train import train
+from gacli.runner.autobatch import Probe, choose, ladder, search
+from gacli.runner.config import AutoPlan, ConfigError, resolve_batch
+from gacli.runner.train import train
 from helpers import (
     compose_config,
     final_weights,
@@ -85,7 +85,7 @@ def test_auto_ends_with_the_weights_of_the_chosen_size_given_by_hand(tmp_path, m
 
 
 def test_a_resumed_run_keeps_the_probed_size_without_probing(tmp_path, monkeypatch):
-    from gacli import train as train_module
+    from gacli.runner import train as train_module
 
     run_dir = tmp_path / "run"
     os.makedirs(run_dir)

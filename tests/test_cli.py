@@ -146,7 +146,7 @@ def test_bad_input_gives_one_clear_message_and_no_traceback(arguments, first_lin
 
 CHECK_IMPORTS = """
 import sys
-from gacli.cli import main
+from gacli.runner.cli import main
 try:
     main(sys.argv[1:])
 except SystemExit:

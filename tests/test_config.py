@@ -2,7 +2,7 @@
 
 import pytest
 
-from gacli.config import ConfigError, resolve_batch
+from gacli.runner.config import ConfigError, resolve_batch
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 
 import gacli
-from gacli.options import Reduction
-from gacli.window import Window
+from gacli.engine.options import Reduction
+from gacli.engine.window import Window
 from helpers import (
     EMBEDDING_DIM,
     MICRO,

@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 
 import gacli
-from gacli.accumulate_model import AccumulatingModelWrapper
-from gacli.settings import AccumulationConfig
+from gacli.engine.accumulate_model import AccumulatingModelWrapper
+from gacli.engine.settings import AccumulationConfig
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness

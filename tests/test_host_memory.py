@@ -1,4 +1,4 @@
-"""Host memory left free by compiling goes back to the OS (gacli.host_memory)."""
+"""Host memory left free by compiling goes back to the OS (gacli.engine.host_memory)."""
 
 import ctypes
 
@@ -6,8 +6,8 @@ import keras
 import pytest
 
 import gacli
-from gacli import host_memory
-from gacli.run_logging import host_memory_bytes
+from gacli.engine import host_memory
+from gacli.runner.run_logging import host_memory_bytes
 from helpers import make_data, mlp_layers
 
 

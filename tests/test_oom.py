@@ -2,7 +2,8 @@
 start, halves the micro-batch and goes on; the run ends with the weights of plain Keras' big
 batch, as an uninterrupted run does. oom=fail (the default) stops with what to type instead.
 The error is real (tf.errors.ResourceExhaustedError from a failed allocation inside the compiled
-step), injected with GACLI_FAKE_OOM_ABOVE / GACLI_FAKE_OOM_FROM_MICRO_STEP (gacli/faults.py)."""
+step), injected with GACLI_FAKE_OOM_ABOVE / GACLI_FAKE_OOM_FROM_MICRO_STEP
+(gacli/runner/faults.py)."""
 
 import json
 import os
@@ -11,10 +12,10 @@ import keras
 import numpy as np
 import pytest
 
-from gacli.config import BatchPlan
-from gacli.oom import WindowStart, position_in, smaller_micro_batch, smaller_plan
-from gacli.throughput import ChangedLayout, MicroBatchLayout
-from gacli.train import train
+from gacli.runner.config import BatchPlan
+from gacli.runner.oom import WindowStart, position_in, smaller_micro_batch, smaller_plan
+from gacli.runner.throughput import ChangedLayout, MicroBatchLayout
+from gacli.runner.train import train
 from helpers import (
     compose_config,
     event_tags,
@@ -58,7 +59,7 @@ def test_the_micro_batch_halves_to_a_divisor_and_the_position_follows_the_sample
 def test_the_call_that_compiles_again_after_a_recovery_is_not_timed():
     import tensorflow as tf
 
-    from gacli.throughput import TrainingClock
+    from gacli.runner.throughput import TrainingClock
 
     class Counter:
         micro_step = tf.Variable(0, dtype="int64")

@@ -78,6 +78,24 @@ def test_keras_internals_are_reached_from_one_module():
     assert [os.path.basename(name) for name in reaching] == ["_keras_compat.py"]
 
 
+def test_the_rooms_import_only_what_they_may():
+    """engine/ (what ``import gacli`` needs) imports neither the runner, the report, Hydra nor
+    OmegaConf; report/ (ga-report) imports neither the engine nor the runner."""
+    import re
+
+    rules = {
+        "engine/": ("gacli.runner", "gacli.report", "hydra", "omegaconf"),
+        "report/": ("gacli.runner", "gacli.engine"),
+    }
+    broken = []
+    for name, text in _sources():
+        forbidden = next((modules for room, modules in rules.items() if name.startswith(room)), ())
+        for module in re.findall(r"^\s*(?:from|import)\s+([\w.]+)", text, re.M):
+            if forbidden and module.startswith(forbidden):
+                broken.append(f"{name} imports {module}")
+    assert not broken, broken
+
+
 def test_functions_take_at_most_six_parameters():
     """A function that needs more takes an object that holds them (constructors excepted)."""
     import ast

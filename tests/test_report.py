@@ -129,7 +129,7 @@ def test_sort_by_any_column_best_first(sweep, tmp_path):
 READ_WITHOUT_TENSORFLOW = """
 import sys, time
 start = time.perf_counter()
-from gacli.report import main
+from gacli.report.cli import main
 code = main(sys.argv[1:])
 print("SECONDS", time.perf_counter() - start)
 print("TENSORFLOW", "tensorflow" in sys.modules, "keras" in sys.modules)

@@ -106,7 +106,7 @@ def test_resume_errors_say_what_to_type(tmp_path):
 
 
 def test_a_checkpoint_after_an_epochs_last_micro_batch_resumes_at_the_next_epoch():
-    from gacli.train import _segments
+    from gacli.runner.train import _segments
 
     # (epoch, micro-batches done) -> fit() calls: (first epoch, end, steps per epoch, skipped)
     assert _segments((0, 0), 10, 3) == [(0, 3, 10, 0)]
@@ -144,7 +144,7 @@ def test_an_unfinished_run_is_resumed_with_its_own_settings_only(tmp_path):
 
 STREAM_MEMORY = """
 import resource, numpy as np, tensorflow as tf
-from gacli.runstate import PassOrder, micro_batch_stream
+from gacli.runner.runstate import PassOrder, micro_batch_stream
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 data = tf.data.Dataset.from_tensor_slices(np.ones((5000, 800), "float32"))  # 16 MB
 before = peak()

@@ -155,7 +155,7 @@ def saved_models(tmp_path_factory):
         "import keras\nimport gacli",
         "import gacli\nimport tensorflow as tf\nkeras = tf.keras",
         # A gacli module that imports Keras itself, first: the other modules register too.
-        "from gacli.accumulation import GradientAccumulateOptimizer\nimport keras",
+        "from gacli.engine.accumulation import GradientAccumulateOptimizer\nimport keras",
     ],
 )
 def test_saved_models_load_in_a_new_process_after_import_gacli(imports, saved_models):

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gacli import slurm
 from gacli.errors import ConfigError
+from gacli.runner import slurm
 from helpers import ga_train
 
 

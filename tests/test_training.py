@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gacli.config import ConfigError
-from gacli.train import train
+from gacli.runner.config import ConfigError
+from gacli.runner.train import train
 from helpers import compose_config, event_tags, scalars
 
 
@@ -145,8 +145,8 @@ def test_schedules_count_optimizer_updates_and_are_logged(tmp_path):
 
 
 def test_warmup_then_cosine_in_updates():
-    from gacli.config import OptimizerConfig, Schedule
-    from gacli.optimizers import learning_rate_schedule
+    from gacli.runner.config import OptimizerConfig, Schedule
+    from gacli.runner.optimizers import learning_rate_schedule
 
     schedule = learning_rate_schedule(
         OptimizerConfig(learning_rate=1.0, schedule=Schedule.cosine, warmup_updates=4),
@@ -160,8 +160,8 @@ def test_warmup_then_cosine_in_updates():
 
 
 def test_linear_lr_scaling():
-    from gacli.config import LRScaling, OptimizerConfig
-    from gacli.optimizers import scaled_learning_rate
+    from gacli.runner.config import LRScaling, OptimizerConfig
+    from gacli.runner.optimizers import scaled_learning_rate
 
     config = OptimizerConfig(learning_rate=0.1, lr_scaling=LRScaling.linear, base_batch_size=256)
     assert scaled_learning_rate(config, 1024) == pytest.approx(0.4)
@@ -169,9 +169,9 @@ def test_linear_lr_scaling():
 
 def test_device_memory_and_hparams_are_logged(tmp_path, monkeypatch):
     """No GPU here: the GPU memory reading is mocked; the tags and values must reach the file."""
-    import gacli.run_logging
+    import gacli.runner.run_logging
 
-    monkeypatch.setattr(gacli.run_logging, "device_memory_bytes", lambda: (1234, 5678))
+    monkeypatch.setattr(gacli.runner.run_logging, "device_memory_bytes", lambda: (1234, 5678))
     run_dir, _ = run(tmp_path, "epochs=1", "steps_per_epoch=2")
     tags, events = event_tags(run_dir)
     assert scalars(events, "memory/device_current_bytes") == [1234.0, 1234.0]
@@ -217,11 +217,11 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise(
 
     from rich.console import Console
 
-    import gacli.train
+    import gacli.runner.train
 
     buffer = io.StringIO()
     monkeypatch.setattr(
-        gacli.train,
+        gacli.runner.train,
         "make_console",
         lambda: Console(file=buffer, force_terminal=terminal, width=160),
     )
@@ -247,9 +247,9 @@ def test_train_puts_back_the_callers_precision_policy(tmp_path):
 
 def test_the_job_steps_run_alone(tmp_path):
     """train()'s steps take what they need and can be run one by one."""
-    from gacli.config import resolve_batch
-    from gacli.data import load_dataset
-    from gacli.train import build_job, plan_steps
+    from gacli.runner.config import resolve_batch
+    from gacli.runner.data import load_dataset
+    from gacli.runner.train import build_job, plan_steps
 
     cfg = compose_config("epochs=2", "micro_batch_size=64", "accum_steps=4")
     plan = resolve_batch(64, 4, None, 1)

@@ -11,13 +11,13 @@ trainer (in the manner of optax's ``MultiSteps``, a transformation of gradients 
 Every part keeps its state in variables made by the ``add_state(name, shape, dtype, per_replica,
 initial_value)`` callable it is built with, so the state is checkpointed with the optimizer and
 a restore, a retrace or a second ``fit()`` finds it as it was. Nothing is learnt while tracing.
-:class:`~gacli.accumulation.GradientAccumulateOptimizer` composes them and adds what is Keras' and
-tf.distribute's.
+:class:`~gacli.engine.accumulation.GradientAccumulateOptimizer` composes them and adds what is
+Keras' and tf.distribute's.
 """
 
 import tensorflow as tf
 
-from gacli.options import NonFinite, Reduction
+from gacli.engine.options import NonFinite, Reduction
 
 
 def _all_finite(gradient):

@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from gacli.batchnorm import AccumBatchNormalization
+from gacli.engine.batchnorm import AccumBatchNormalization
 
 # A window longer than any pass: the probe pools every micro-batch it sees.
 _NEVER_CLOSES = 2**62

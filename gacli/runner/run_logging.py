@@ -4,9 +4,9 @@ Tags: ``batch/{effective_size,micro_size,accum_steps,replicas}`` (the configurat
 ``batch/update_samples`` (the samples the update was taken over), ``train/<metric>``,
 ``val/<metric>``, ``optimizer/{lr,step,micro_step}``,
 ``throughput/{samples_per_sec,mean_samples_per_sec}`` and ``time/first_call_seconds``
-(:mod:`gacli.throughput`), ``memory/{device_current_bytes,device_peak_bytes}`` (where TensorFlow
-tracks device memory: GPUs; the CPU allocator reports nothing),
-``memory/{host_rss_bytes,host_peak_rss_bytes}`` (:mod:`gacli.memory_stats`), plus
+(:mod:`gacli.runner.throughput`), ``memory/{device_current_bytes,device_peak_bytes}`` (where
+TensorFlow tracks device memory: GPUs; the CPU allocator reports nothing),
+``memory/{host_rss_bytes,host_peak_rss_bytes}`` (:mod:`gacli.runner.memory_stats`), plus
 ``precision/loss_scale`` and ``precision/skipped_*`` when loss scaling is on, and the run's
 hyper-parameters for TensorBoard's HParams tab.
 """
@@ -20,9 +20,9 @@ from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from gacli.console import micro_batches_done
-from gacli.memory_stats import device_memory_bytes, host_memory_bytes
-from gacli.throughput import samples_per_second
+from gacli.runner.console import micro_batches_done
+from gacli.runner.memory_stats import device_memory_bytes, host_memory_bytes
+from gacli.runner.throughput import samples_per_second
 
 _SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description=None)
 
@@ -62,10 +62,11 @@ class TensorBoardLogger(keras.callbacks.Callback):
 
     Args:
         log_dir: where the event file goes (the run directory's ``tensorboard/``).
-        plan: the run's :class:`~gacli.config.BatchPlan`.
+        plan: the run's :class:`~gacli.runner.config.BatchPlan`.
         accumulator: the run's GradientAccumulateOptimizer (counters, learning rate).
         hparams: dict of hyper-parameters for the HParams tab.
-        clock: the run's :class:`~gacli.throughput.TrainingClock`, placed before this callback
+        clock: the run's :class:`~gacli.runner.throughput.TrainingClock`, placed before this
+        callback
             (samples per micro-batch, training time); the progress display reads the same one.
     """
 

@@ -15,7 +15,7 @@ pyplot, no change to a caller's matplotlib backend.
 import json
 import os
 
-from gacli.sweep import lower_is_better, samples_at_steps
+from gacli.report.sweep import lower_is_better, samples_at_steps
 
 _MIB = 2**20
 

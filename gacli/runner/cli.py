@@ -1,4 +1,4 @@
-"""``ga-train``: compose a config with Hydra, validate it, call :func:`gacli.train.train`.
+"""``ga-train``: compose a config with Hydra, validate it, call :func:`gacli.runner.train.train`.
 
 ``config=`` picks the primary config: a shipped recipe (``config=unet.yaml``) or a path to your own
 YAML file; every other argument is a Hydra override (``accum_steps=8``, ``-m accum_steps=1,2,4``).
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from importlib import metadata, resources
 
 from gacli import rundir
-from gacli.config import FREE_ON_RESUME, GROUPS
 from gacli.errors import EXIT_USAGE, ConfigError, Interrupted, ProcessUnusable, TrainingFailed
+from gacli.runner.config import FREE_ON_RESUME, GROUPS
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
 _SWEEP_DIR = "multirun/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -181,7 +181,7 @@ def _resume_after_requeue(overrides):
     checkpoints are continued (``resume=<that dir>``); a run that finished meanwhile is left as it
     is. A directory without checkpoints is started afresh, as it would be on the first start.
     """
-    from gacli import slurm
+    from gacli.runner import slurm
 
     given = [o.split("=", 1)[1].strip("'\"") for o in overrides if _key(o) == "hydra.run.dir"]
     if not slurm.restart_count() or not given or "${" in given[-1] or _key_given(overrides):
@@ -344,7 +344,7 @@ def _check_command_line(argv, launch):
             )
         )
         return None
-    from gacli.user_config import check_overrides, check_user_yaml
+    from gacli.runner.user_config import check_overrides, check_user_yaml
 
     if not config_path.startswith("pkg://"):
         check_user_yaml(
@@ -358,7 +358,7 @@ def _check_command_line(argv, launch):
         "--info=all" if a == "--info" else a for a in overrides if a.startswith("-") or "=" not in a
     ]
     check_overrides([a for a in overrides if a not in options and a != "--info"])
-    from gacli.plugins import check_choices
+    from gacli.runner.plugins import check_choices
 
     check_choices(
         [a for a in overrides if a not in options], any(o in ("-m", "--multirun") for o in options)
@@ -374,7 +374,7 @@ def _run_hydra(command, launch):
     """Compose the config with Hydra and run the job(s); the exit code."""
     import hydra
 
-    from gacli.config import register_configs
+    from gacli.runner.config import register_configs
 
     overrides, assignments = command.overrides, command.assignments
 
@@ -414,7 +414,7 @@ def _run_hydra(command, launch):
         )(task)()
     except SystemExit as stop:
         if stop.code == 1 and not launch.started:
-            from gacli.plugins import FAILED_JOBS
+            from gacli.runner.plugins import FAILED_JOBS
 
             # A job another process ran failed (Hydra printed its paragraph): its exit code.
             # Otherwise Hydra could not compose the config, and said why.
@@ -426,7 +426,7 @@ def _run_hydra(command, launch):
 
 
 def _task(cfg, launch):
-    """One job: validate, train, return the objective a sweeper optimises (gacli.objective).
+    """One job: validate, train, return the objective a sweeper optimises (gacli.runner.objective).
 
     Under a sweeper that optimises (Optuna), a job that fails on its settings or in training
     returns None, a failed trial, and the search goes on; elsewhere it ends the command with its
@@ -434,7 +434,7 @@ def _task(cfg, launch):
     """
     from hydra.core.hydra_config import HydraConfig
 
-    from gacli import objective
+    from gacli.runner import objective
 
     launch.started = True
     hydra_config = HydraConfig.get()
@@ -472,20 +472,20 @@ def _train(cfg, hydra_config, run_dir, launch):
         for override in hydra_config.overrides.task
         if "=" in override
     }
-    from gacli.config import validate
+    from gacli.runner.config import validate
 
     validate(cfg, given)
     _resume_requeued_job(cfg, run_dir)
     _join_slurm_cluster(cfg)
     if rundir.is_chief():
         rundir.lock(run_dir, launch.command)
-    from gacli.quiet import tensorflow_startup
+    from gacli.runner.quiet import tensorflow_startup
 
     with tensorflow_startup():
         import tensorflow as tf
 
         tf.config.list_physical_devices()  # CUDA's probe, and its messages, happen here
-    from gacli.train import train
+    from gacli.runner.train import train
 
     return train(cfg, run_dir=run_dir, given=given, parallel_jobs=_parallel_jobs(hydra_config))
 
@@ -493,8 +493,8 @@ def _train(cfg, hydra_config, run_dir, launch):
 def _join_slurm_cluster(cfg):
     """TF_CONFIG (and each task's GPUs) from SLURM, before the chief check and TensorFlow; and a
     refusal of several SLURM tasks that would each train alone."""
-    from gacli import slurm
-    from gacli.config import ClusterSource, StrategyName
+    from gacli.runner import slurm
+    from gacli.runner.config import ClusterSource, StrategyName
 
     several = cfg.strategy.name == StrategyName.multi_worker
     if several and cfg.strategy.cluster == ClusterSource.slurm:
@@ -513,7 +513,7 @@ def _join_slurm_cluster(cfg):
 def _resume_requeued_job(cfg, run_dir):
     """A job that SLURM started again inside a launcher (submitit requeues a preempted job and
     runs the same job in the same directory) goes on from its checkpoints."""
-    from gacli import slurm
+    from gacli.runner import slurm
 
     if not cfg.resume and slurm.restart_count() and rundir.checkpoint_numbers(run_dir):
         print(
@@ -541,7 +541,7 @@ def _exit_on(error, run_dir, cfg, launch):
         raise error
     print(f"ga-train: {error}", file=sys.stderr)
     if launch.in_other_process and not isinstance(error, ProcessUnusable):
-        from gacli.plugins import JobFailed
+        from gacli.runner.plugins import JobFailed
 
         raise JobFailed(f"ga-train: {error}", error.exit_code) from None
     if isinstance(error, ProcessUnusable):

@@ -13,8 +13,8 @@ import warnings
 import keras
 from keras import ops
 
-from gacli import _keras_compat as compat
-from gacli.options import BatchNormPolicy, parse_option
+from gacli.engine import _keras_compat as compat
+from gacli.engine.options import BatchNormPolicy, parse_option
 
 
 @keras.saving.register_keras_serializable(package="gacli")
@@ -32,7 +32,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, accum_steps=1, **kwargs):
-        from gacli.accumulation import validate_accum_steps
+        from gacli.engine.accumulation import validate_accum_steps
 
         if kwargs.get("renorm"):
             raise ValueError(
@@ -234,8 +234,8 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32,
     (contract B2). ``group_norm`` swaps in ``GroupNormalization`` (gamma and beta carried over; its
     output differs, it has no batch statistics). ``freeze`` puts BN layers in inference mode in
     place; ``keep`` changes nothing and warns once; ``precise`` changes nothing (add a
-    :class:`~gacli.precise_batchnorm.PreciseBatchNorm` callback to ``fit``, which sets the moving
-    statistics). Every other layer is reused, not copied.
+    :class:`~gacli.engine.precise_batchnorm.PreciseBatchNorm` callback to ``fit``, which sets the
+    moving statistics). Every other layer is reused, not copied.
 
     Args:
         model: a functional or Sequential model (subclassed models cannot be rewired; build them

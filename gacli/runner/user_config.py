@@ -13,8 +13,8 @@ import typing
 
 import yaml
 
-from gacli.config import GROUPS, TrainConfig
 from gacli.errors import ConfigError
+from gacli.runner.config import GROUPS, TrainConfig
 
 _DEFAULTS_LINES = "defaults:\n  - /train\n  - _self_"
 

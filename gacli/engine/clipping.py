@@ -27,7 +27,7 @@ keep that.
 import keras
 import tensorflow as tf
 
-from gacli import _keras_compat as compat
+from gacli.engine import _keras_compat as compat
 
 # Axes of the per-unit norm by rank, as NFNets define them (rank 3: multi-head linear [in, heads,
 # dim]). Ranks 0 and 1 are one unit.
@@ -222,7 +222,8 @@ def agc_unit_axes(model):
     by_path = {variable.path: variable for variable in variables}
     table = {path: _unit_axes(variable, by_path) for path, variable in by_path.items()}
     # Layer.trainable_weights holds a layer's own weights and its sublayers': the walk needs every
-    # layer (Keras has no public recursive listing; gacli.batchnorm walks models the same way).
+    # layer (Keras has no public recursive listing; gacli.engine.batchnorm walks models the same
+    # way).
     for layer in compat.sublayers(model, include_self=True):
         if isinstance(layer, _CONVOLUTIONS_1D):
             kernels = [

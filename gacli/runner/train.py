@@ -1,9 +1,9 @@
 """``train(cfg) -> metrics``: one ``ga-train`` job, from a composed config to a trained model.
 
-The Hydra entry point (:mod:`gacli.cli`) only composes the config and calls this; tests call it
-directly. A :class:`Run` owns the job: its batch plan (resolved once by
-:func:`gacli.config.resolve_batch`, printed at start and logged), the model and engine, the data
-stream and its order, its callbacks, checkpoints and resume, the out-of-memory re-plan and the
+The Hydra entry point (:mod:`gacli.runner.cli`) only composes the config and calls this; tests call
+it directly. A :class:`Run` owns the job: its batch plan (resolved once by
+:func:`gacli.runner.config.resolve_batch`, printed at start and logged), the model and engine, the
+data stream and its order, its callbacks, checkpoints and resume, the out-of-memory re-plan and the
 result. The functions around it take what they use, and can be run one by one.
 """
 
@@ -21,36 +21,17 @@ import numpy as np
 import tensorflow as tf
 from omegaconf import OmegaConf
 
-from gacli.accumulate_model import accumulation_callbacks, set_accum_steps, wrap_model
-from gacli.accumulation import (
+from gacli.engine.accumulate_model import accumulation_callbacks, set_accum_steps, wrap_model
+from gacli.engine.accumulation import (
     GradientAccumulateOptimizer,
     NonFiniteError,
     find_accumulating_optimizer,
 )
-from gacli.autobatch import find_micro_batch_size, probe_key, probe_lines
-from gacli.batchnorm import apply_batchnorm_policy, plain_batchnorm_layers
-from gacli.config import (
-    FREE_ON_RESUME,
-    AutoPlan,
-    BatchPlan,
-    OutOfMemory,
-    PartialWindow,
-    Policy,
-    Wrapper,
-    resolve_batch,
-)
-from gacli.console import ProgressCallback, make_console, startup_panel, summary_table
-from gacli.data import load_dataset
+from gacli.engine.batchnorm import apply_batchnorm_policy, plain_batchnorm_layers
+from gacli.engine.options import BatchNormPolicy, NonFinite
+from gacli.engine.precise_batchnorm import PreciseBatchNorm
+from gacli.engine.settings import AccumulationConfig
 from gacli.errors import ConfigError, ProcessUnusable, TrainingFailed
-from gacli.faults import install_fake_oom
-from gacli.memory_stats import reset_memory_peaks
-from gacli.models import build_model
-from gacli.objective import check_metric, metric_name
-from gacli.oom import WindowStart, oom_line, out_of_memory_message, position_in, smaller_plan
-from gacli.optimizers import build_optimizer
-from gacli.options import BatchNormPolicy, NonFinite
-from gacli.precise_batchnorm import PreciseBatchNorm
-from gacli.run_logging import TensorBoardLogger, host_memory_bytes
 from gacli.rundir import (
     BATCH_PLAN_FILE,
     CHECKPOINT_DIR,
@@ -61,7 +42,27 @@ from gacli.rundir import (
     read_json,
     write_json,
 )
-from gacli.runstate import (
+from gacli.runner.autobatch import find_micro_batch_size, probe_key, probe_lines
+from gacli.runner.config import (
+    FREE_ON_RESUME,
+    AutoPlan,
+    BatchPlan,
+    OutOfMemory,
+    PartialWindow,
+    Policy,
+    Wrapper,
+    resolve_batch,
+)
+from gacli.runner.console import ProgressCallback, make_console, startup_panel, summary_table
+from gacli.runner.data import load_dataset
+from gacli.runner.faults import install_fake_oom
+from gacli.runner.memory_stats import reset_memory_peaks
+from gacli.runner.models import build_model
+from gacli.runner.objective import check_metric, metric_name
+from gacli.runner.oom import WindowStart, oom_line, out_of_memory_message, position_in, smaller_plan
+from gacli.runner.optimizers import build_optimizer
+from gacli.runner.run_logging import TensorBoardLogger, host_memory_bytes
+from gacli.runner.runstate import (
     PassOrder,
     RunCheckpoint,
     RunState,
@@ -69,9 +70,8 @@ from gacli.runstate import (
     micro_batch_stream,
     scratch_or,
 )
-from gacli.settings import AccumulationConfig
-from gacli.strategy import is_multi_worker, make_strategy
-from gacli.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
+from gacli.runner.strategy import is_multi_worker, make_strategy
+from gacli.runner.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
 
 # ga-train's one default that differs from the library's (README, "Options"): without loss
 # scaling a non-finite gradient stops the run, so that a nan never reaches the weights unnoticed;
@@ -113,7 +113,7 @@ class Run:
     ``job``, ``callbacks``, ``state``, ``position``.
 
     Args:
-        cfg: a composed :class:`~gacli.config.TrainConfig` (DictConfig).
+        cfg: a composed :class:`~gacli.runner.config.TrainConfig` (DictConfig).
         run_dir: where TensorBoard events, checkpoints, the resolved config and the result go.
         given: the config keys set on the command line (they win in the batch arithmetic).
         parallel_jobs: jobs share the terminal (no live progress bar then).
@@ -536,7 +536,7 @@ class RunCallbacks:
     checkpoint: RunCheckpoint
     precise_batchnorm: object = None  # batchnorm=precise
     window_start: WindowStart | None = None  # oom=recover
-    fault: object = None  # GACLI_FAKE_OOM_ABOVE's (gacli.faults)
+    fault: object = None  # GACLI_FAKE_OOM_ABOVE's (gacli.runner.faults)
 
     @functools.cached_property
     def in_order(self):
@@ -846,7 +846,7 @@ class Job:
     reason: str
     batchnorm_layers: int
     learning_rate: float
-    fault: object = None  # GACLI_FAKE_OOM_ABOVE's callback (gacli.faults), when set
+    fault: object = None  # GACLI_FAKE_OOM_ABOVE's callback (gacli.runner.faults), when set
 
     def facts(self, cfg, plan, data, steps, strategy):
         """The start-up panel's lines."""
@@ -897,7 +897,7 @@ def build_job(cfg, plan, data, steps, strategy):
             model = wrap_model(model, config=settings)
             optimizer = inner
         else:
-            from gacli.clipping import agc_unit_axes
+            from gacli.engine.clipping import agc_unit_axes
 
             optimizer = GradientAccumulateOptimizer(
                 inner,

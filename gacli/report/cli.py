@@ -1,12 +1,12 @@
 """``ga-report``: a sweep's runs side by side, as a table and as pictures.
 
-The runs are found and read by :mod:`gacli.sweep`. Each becomes one row; the columns are the
+The runs are found and read by :mod:`gacli.report.sweep`. Each becomes one row; the columns are the
 overrides that differ between runs, the batch arithmetic, what the run did (updates, samples seen,
 wall time), its training speed and peak memory, its final and best metrics, its gradient noise
 scale and its status. The table goes to the terminal and, with the command of each run, to
 ``report.md``; the same values to ``report.json``; the curves to PNG files
-(:mod:`gacli.report_plots`). TensorFlow is not imported
-(:func:`gacli.run_events.use_tensorboard_stub`).
+(:mod:`gacli.report.plots`). TensorFlow is not imported
+(:func:`gacli.report.run_events.use_tensorboard_stub`).
 """
 
 import argparse
@@ -17,7 +17,14 @@ import os
 import sys
 
 from gacli.errors import EXIT_USAGE, ConfigError
-from gacli.sweep import ReportError, find_runs, is_run_dir, lower_is_better, read_run_dir, record
+from gacli.report.sweep import (
+    ReportError,
+    find_runs,
+    is_run_dir,
+    lower_is_better,
+    read_run_dir,
+    record,
+)
 
 _HELP = """ga-report: a sweep of ga-train runs at a glance, as a table and as plots.
 
@@ -277,7 +284,7 @@ def run_report(paths, sort=None, out=None, plots=True, console=None):
 
     Raises ReportError on input the user can fix.
     """
-    from gacli.run_events import use_tensorboard_stub
+    from gacli.report.run_events import use_tensorboard_stub
 
     use_tensorboard_stub(paths)
     runs = [read_run_dir(path) for path in find_runs(paths)]
@@ -291,7 +298,7 @@ def run_report(paths, sort=None, out=None, plots=True, console=None):
     _writable(out)
     written = []
     if plots:
-        from gacli.report_plots import write_plots
+        from gacli.report.plots import write_plots
 
         written = write_plots(runs, rows, swept, out)
     data = report_json(rows, columns, best, swept, paths)

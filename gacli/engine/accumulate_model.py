@@ -4,24 +4,24 @@
 and updates the weights once per 64 samples, exactly as one batch of 64 would (including a short
 last micro-batch, which is weighted by its real size, and the short last window of an epoch, which
 is applied per ``partial_window`` before validation runs). The accumulators live in a
-:class:`~gacli.accumulation.GradientAccumulateOptimizer` that ``compile`` wraps around the optimizer
-you pass, so ``count_params()`` is unchanged and checkpoints carry the open window.
+:class:`~gacli.engine.accumulation.GradientAccumulateOptimizer` that ``compile`` wraps around the
+optimizer you pass, so ``count_params()`` is unchanged and checkpoints carry the open window.
 """
 
 import keras
 import tensorflow as tf
 
-from gacli import _keras_compat as compat
-from gacli.accumulation import (
+from gacli.engine import _keras_compat as compat
+from gacli.engine.accumulation import (
     _LOSS_SCALE_OPTIMIZER,
     GradientAccumulateOptimizer,
     StopOnNonFinite,
     find_accumulating_optimizer,
 )
-from gacli.batchnorm import accum_batchnorm_layers
-from gacli.host_memory import HostMemoryCallback
-from gacli.options import LossNormalization, NonFinite, Reduction
-from gacli.settings import (
+from gacli.engine.batchnorm import accum_batchnorm_layers
+from gacli.engine.host_memory import HostMemoryCallback
+from gacli.engine.options import LossNormalization, NonFinite, Reduction
+from gacli.engine.settings import (
     AccumulationConfig,
     pop_settings,
     settings_as_attributes,
@@ -143,7 +143,7 @@ class AccumulationMixin(compat.KerasWorkarounds):
     def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
         optimizer = self._accumulating_optimizer_for(optimizer)
         if optimizer.use_agc and optimizer.agc_unit_axes is None:
-            from gacli.clipping import agc_unit_axes
+            from gacli.engine.clipping import agc_unit_axes
 
             # Rank-3 kernels are told apart by their layer (a Conv1D from a multi-head one).
             optimizer.agc_unit_axes = agc_unit_axes(self)

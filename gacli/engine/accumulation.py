@@ -23,9 +23,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from gacli import _keras_compat as compat
-from gacli.options import LossNormalization, NonFinite, PartialWindow, Reduction
-from gacli.settings import (
+from gacli.engine import _keras_compat as compat
+from gacli.engine.options import LossNormalization, NonFinite, PartialWindow, Reduction
+from gacli.engine.settings import (
     AccumulationConfig,
     pop_settings,
     settings_as_attributes,
@@ -33,7 +33,7 @@ from gacli.settings import (
     take_agc_alias,
     validate_accum_steps,
 )
-from gacli.window import LossScale, NoiseScale, NonFiniteGuard, Window
+from gacli.engine.window import LossScale, NoiseScale, NonFiniteGuard, Window
 
 __all__ = [
     "GradientAccumulateOptimizer",
@@ -156,7 +156,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     The settings are those of :class:`~gacli.AccumulationConfig`, whose defaults apply to any
     left as ``None``; ``config=`` passes them all at once. The parts (the window, loss scaling,
-    the non-finite guard) are in :mod:`gacli.window`.
+    the non-finite guard) are in :mod:`gacli.engine.window`.
 
     Args:
         optimizer: the inner optimizer: an instance, a name (``"adam"``) or a config dict.
@@ -528,7 +528,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         variables = [compat.built_variables(self)[index] for index in indices]
         grads = self._window.gradients(indices, variables, denominator)
         if self.use_agc:
-            from gacli.clipping import adaptive_clip_gradients
+            from gacli.engine.clipping import adaptive_clip_gradients
 
             grads = adaptive_clip_gradients(
                 grads, variables, self.clip_factor, self.eps, unit_axes=self.agc_unit_axes

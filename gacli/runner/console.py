@@ -2,8 +2,8 @@
 
 On a terminal a rich progress bar shows updates and micro-batches, loss, samples/s and the ETA; when
 output is not a terminal, or jobs of a multirun share it, the same facts come as plain lines.
-Samples/s is the run's mean training throughput so far, as :mod:`gacli.throughput` defines it: the
-number TensorBoard's ``throughput/mean_samples_per_sec`` holds at the same update.
+Samples/s is the run's mean training throughput so far, as :mod:`gacli.runner.throughput` defines
+it: the number TensorBoard's ``throughput/mean_samples_per_sec`` holds at the same update.
 """
 
 import os
@@ -23,8 +23,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from gacli.config import Progress as ProgressMode
-from gacli.throughput import samples_per_second
+from gacli.runner.config import Progress as ProgressMode
+from gacli.runner.throughput import samples_per_second
 
 
 def make_console():
@@ -76,7 +76,8 @@ def micro_batches_done(batch, params):
 class ProgressCallback(keras.callbacks.Callback):
     """Progress by optimizer update and micro-batch, as a rich bar or as plain lines.
 
-    ``clock``: the run's :class:`~gacli.throughput.TrainingClock`, placed before this callback.
+    ``clock``: the run's :class:`~gacli.runner.throughput.TrainingClock`, placed before this
+    callback.
     """
 
     def __init__(

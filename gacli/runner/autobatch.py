@@ -21,8 +21,8 @@ import numpy as np
 import tensorflow as tf
 from omegaconf import OmegaConf
 
-from gacli.memory_stats import _memory_devices
-from gacli.oom import oom_line
+from gacli.runner.memory_stats import _memory_devices
+from gacli.runner.oom import oom_line
 
 
 @dataclasses.dataclass

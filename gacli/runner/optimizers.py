@@ -1,5 +1,7 @@
 """Optimizers and learning-rate schedules for ``ga-train``; schedules count optimizer updates.
 
+The schedule classes that a saved model holds are the engine's (:mod:`gacli.engine.schedules`).
+
 The inner optimizer's ``iterations`` counts updates (the accumulator keeps its own micro-step
 counter), so every schedule here is in updates, whatever ``accum_steps`` is.
 """
@@ -8,41 +10,8 @@ import math
 
 import keras
 
-from gacli.config import LRScaling, OptimizerName, Schedule
-
-
-@keras.saving.register_keras_serializable(package="gacli")
-class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warm-up from 0 to ``after(warmup_updates)`` over ``warmup_updates``, then ``after``
-    shifted by the warm-up."""
-
-    def __init__(self, after, warmup_updates):
-        self.after = after
-        self.warmup_updates = int(warmup_updates)
-
-    def __call__(self, step):
-        step = keras.ops.cast(step, "float32")
-        warmup = keras.ops.cast(self.warmup_updates, "float32")
-        target = _evaluate(self.after, 0.0)
-        warming = target * (step + 1.0) / warmup
-        return keras.ops.where(step < warmup, warming, _evaluate(self.after, step - warmup))
-
-    def get_config(self):
-        return {
-            "after": keras.saving.serialize_keras_object(self.after),
-            "warmup_updates": self.warmup_updates,
-        }
-
-    @classmethod
-    def from_config(cls, config):
-        after = config["after"]
-        if isinstance(after, dict):
-            after = keras.saving.deserialize_keras_object(after)
-        return cls(after, config["warmup_updates"])
-
-
-def _evaluate(schedule, step):
-    return schedule(step) if callable(schedule) else keras.ops.cast(schedule, "float32")
+from gacli.engine.schedules import LinearWarmup
+from gacli.runner.config import LRScaling, OptimizerName, Schedule
 
 
 def scaled_learning_rate(cfg, effective_batch_size):
@@ -93,9 +62,3 @@ def build_optimizer(cfg, effective_batch_size, total_updates):
     if cfg.name == OptimizerName.adamw:
         return keras.optimizers.AdamW(weight_decay=cfg.weight_decay, **common)
     return keras.optimizers.RMSprop(**common)
-
-
-# Whichever of gacli's modules is imported first, Keras then knows the classes of all of them.
-from gacli import _register_with_keras  # noqa: E402
-
-_register_with_keras(finished=__name__)

@@ -6,7 +6,8 @@ found however they were started: the job folders of a ``-m`` sweep, the runs of 
 ``outputs/<recipe>/``, or one run. A record's final metrics, updates and host peak memory come from
 ``result.json`` when the run finished, from its event files otherwise; everything per update
 (samples seen, best values, samples/s, device memory) comes from the event files, each update
-counted once (:mod:`gacli.run_logging` writes them, :mod:`gacli.run_events` reads them back).
+counted once (:mod:`gacli.runner.run_logging` writes them, :mod:`gacli.report.run_events` reads them
+back).
 
 No TensorFlow here.
 """
@@ -17,7 +18,7 @@ import os
 import shlex
 
 from gacli.errors import ConfigError
-from gacli.run_events import event_files, read_run
+from gacli.report.run_events import event_files, read_run
 from gacli.rundir import FAILURE_FILE, LOCK_FILE, RESULT_FILE, has_restorable_checkpoint
 
 FINISHED, INTERRUPTED, FAILED, UNFINISHED = "finished", "interrupted", "failed", "unfinished"
@@ -110,7 +111,7 @@ class Run:
         batch: micro_batch_size, accum_steps, replicas, effective_batch_size (``resolved.yaml``).
         result: ``result.json`` (finished runs), else None.
         failure: ``failure.json`` (runs that failed while training), else None.
-        events: the merged :class:`~gacli.run_events.RunEvents`.
+        events: the merged :class:`~gacli.report.run_events.RunEvents`.
         command: the ``ga-train`` command that runs it again.
     """
 

@@ -9,7 +9,13 @@ import dataclasses
 import inspect
 import numbers
 
-from gacli.options import LossNormalization, NonFinite, PartialWindow, Reduction, parse_option
+from gacli.engine.options import (
+    LossNormalization,
+    NonFinite,
+    PartialWindow,
+    Reduction,
+    parse_option,
+)
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -60,7 +66,7 @@ class AccumulationConfig:
         loss_normalization: ``"batch"`` or ``"window_weights"`` (model wrappers only): what the
             window's loss is divided by.
         noise_scale: measure the gradient noise scale from the micro-batches
-            (:class:`gacli.window.NoiseScale`): one squared norm per micro-batch.
+            (:class:`gacli.engine.window.NoiseScale`): one squared norm per micro-batch.
         noise_scale_decay: the decay of its moving averages, in windows.
     """
 

@@ -9,7 +9,7 @@ import importlib
 
 import keras
 
-from gacli.config import ConfigError
+from gacli.runner.config import ConfigError
 
 # BN moving statistics move once per optimizer update under batchnorm=accumulate, as they would with
 # one big batch: short runs have few updates, so the registry's models use 0.9 rather than Keras'

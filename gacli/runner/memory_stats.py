@@ -18,7 +18,7 @@ import sys
 
 import tensorflow as tf
 
-from gacli.host_memory import release_free_memory
+from gacli.engine.host_memory import release_free_memory
 
 _STATUS = "/proc/self/status"
 _largest_read = 0  # bytes: the largest VmHWM or VmRSS read since the last reset_memory_peaks()

@@ -13,16 +13,16 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from gacli.engine.options import BatchNormPolicy, NonFinite, PartialWindow
+from gacli.engine.settings import AccumulationConfig
 from gacli.errors import ConfigError, Interrupted  # noqa: F401  (imported from here by callers)
-from gacli.options import BatchNormPolicy, NonFinite, PartialWindow
-from gacli.settings import AccumulationConfig
 
 # The accumulation settings that ga-train shares with the library take the library's defaults;
-# the one that differs, nonfinite, is gacli.train.NONFINITE_WITHOUT_LOSS_SCALING.
+# the one that differs, nonfinite, is gacli.runner.train.NONFINITE_WITHOUT_LOSS_SCALING.
 _LIBRARY = AccumulationConfig()
 
 # Enum members are lower case because OmegaConf matches a YAML/command-line string to a member by
-# its name: optimizer.name=adam must find OptimizerName.adam (see gacli.options).
+# its name: optimizer.name=adam must find OptimizerName.adam (see gacli.engine.options).
 
 
 # Keys a resumed run may change: they change neither the updates nor the order of the data.
@@ -155,7 +155,7 @@ class PrecisionConfig:
 
 class ClusterSource(str, enum.Enum):
     tf_config = "tf_config"  # the TF_CONFIG environment variable (Kubernetes, most launchers)
-    slurm = "slurm"  # SLURM's environment, one worker per task (gacli.slurm)
+    slurm = "slurm"  # SLURM's environment, one worker per task (gacli.runner.slurm)
 
 
 @dataclass
@@ -221,7 +221,7 @@ class TrainConfig:
     progress: Progress = Progress.auto
     # The final metric the job returns to a Hydra sweeper (hydra/sweeper=optuna): loss, val_loss,
     # or a compiled metric, val_ for validation (None: val_loss, or loss without validation data).
-    # Its direction follows from its name (gacli.objective).
+    # Its direction follows from its name (gacli.runner.objective).
     objective: Optional[str] = None
     output_dir: str = MISSING  # set from the Hydra run directory
 

@@ -5,7 +5,7 @@ import os
 
 import tensorflow as tf
 
-from gacli.config import ClusterSource, ConfigError, StrategyName
+from gacli.runner.config import ClusterSource, ConfigError, StrategyName
 
 
 def _split_cpu(count):
@@ -48,7 +48,7 @@ def make_strategy(cfg):
             devices = [device.name for device in cpus]
         return tf.distribute.MirroredStrategy(devices)
     if cfg.name == StrategyName.multi_worker and cfg.cluster == ClusterSource.slurm:
-        from gacli import slurm
+        from gacli.runner import slurm
 
         slurm.configure(port=cfg.port)  # TF_CONFIG from SLURM's environment (done once)
     if cfg.name == StrategyName.multi_worker:
@@ -74,6 +74,6 @@ def make_strategy(cfg):
 
 def is_multi_worker(strategy):
     """Whether ``strategy`` spans several worker processes."""
-    from gacli._keras_compat import in_multi_worker_mode
+    from gacli.engine._keras_compat import in_multi_worker_mode
 
     return in_multi_worker_mode(strategy)

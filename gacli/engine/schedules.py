@@ -1,0 +1,47 @@
+"""Learning-rate schedules that gacli saves with a model; they count optimizer updates.
+
+The inner optimizer's ``iterations`` counts updates (the accumulator keeps its own micro-step
+counter), so a schedule here is in updates, whatever ``accum_steps`` is.
+"""
+
+import keras
+
+
+@keras.saving.register_keras_serializable(package="gacli")
+class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up from 0 to ``after(warmup_updates)`` over ``warmup_updates``, then ``after``
+    shifted by the warm-up."""
+
+    def __init__(self, after, warmup_updates):
+        self.after = after
+        self.warmup_updates = int(warmup_updates)
+
+    def __call__(self, step):
+        step = keras.ops.cast(step, "float32")
+        warmup = keras.ops.cast(self.warmup_updates, "float32")
+        target = _evaluate(self.after, 0.0)
+        warming = target * (step + 1.0) / warmup
+        return keras.ops.where(step < warmup, warming, _evaluate(self.after, step - warmup))
+
+    def get_config(self):
+        return {
+            "after": keras.saving.serialize_keras_object(self.after),
+            "warmup_updates": self.warmup_updates,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        after = config["after"]
+        if isinstance(after, dict):
+            after = keras.saving.deserialize_keras_object(after)
+        return cls(after, config["warmup_updates"])
+
+
+def _evaluate(schedule, step):
+    return schedule(step) if callable(schedule) else keras.ops.cast(schedule, "float32")
+
+
+# Whichever of gacli's modules is imported first, Keras then knows the classes of all of them.
+from gacli import _register_with_keras  # noqa: E402
+
+_register_with_keras(finished=__name__)

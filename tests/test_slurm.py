@@ -191,6 +191,41 @@ def test_submitit_two_tasks_per_node_make_one_two_worker_job(tmp_path, plain_ker
     assert measured <= 1e-6
 
 
+def test_submitit_preempted_job_is_requeued_and_goes_on_to_the_uninterrupted_weights(
+    tmp_path, plain_keras_weights
+):
+    """Preemption as submitit meets it: SIGUSR2 to the job; submitit requeues it and runs the
+    job again in its directory, where ga-train goes on from the last checkpoint."""
+    job = [a for a in WORKER_JOB if not a.startswith("micro_batch_size")]
+    sweep = subprocess.Popen(
+        [ga_train_path(), "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=20",
+         "hydra.launcher.cpus_per_task=1", "hydra.sweep.dir=sweep", *job, "micro_batch_size=32",
+         "checkpoint_every_updates=2"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=quiet_environment(),
+    )  # fmt: skip
+    deadline = time.time() + 300
+    while not glob.glob(str(tmp_path / "sweep" / "0_*" / "checkpoints" / "ckpt-*.index")):
+        assert sweep.poll() is None and time.time() < deadline, sweep.communicate()[0][-3000:]
+        time.sleep(0.2)
+    (job_id,) = [
+        os.path.basename(p) for p in glob.glob(str(tmp_path / "sweep" / ".submitit" / "*"))
+    ]
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    output = sweep.communicate(timeout=600)[0]
+    assert sweep.returncode == 0, output[-3000:]
+    (run_dir,) = glob.glob(str(tmp_path / "sweep" / "0_*"))
+    log = "".join(
+        open(p).read() for p in glob.glob(str(tmp_path / "sweep" / ".submitit" / "*" / "*_log.*"))
+    )
+    assert "this job is preempted" in log and "ga-train: SLURM restart 1: going on from" in log, log
+    measured = record(
+        weights_difference(final_weights(run_dir), plain_keras_weights),
+        "test_submitit_preempted (requeued by submitit once, vs plain Keras big batch)",
+    )
+    assert measured <= 1e-6
+
+
 # -- helpers ------------------------------------------------------------------------------------
 def ga_train_path():
     return os.path.join(os.path.dirname(os.sys.executable), "ga-train")

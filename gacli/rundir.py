@@ -234,3 +234,41 @@ def discard_unstarted(run_dir):
     # Removed while still locked, so that no other run can start in it half-removed.
     shutil.rmtree(run_dir, ignore_errors=True)
     release(run_dir)
+
+
+def check_ours(run_dir):
+    """ConfigError when ``run_dir`` holds files that no ga-train run wrote (a run's directory holds
+    its lock file from the first moment): ga-train never writes among a user's own files."""
+    names = sorted(name for name in os.listdir(run_dir) if not name.startswith(".writing-"))
+    if names and LOCK_FILE not in names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} already holds files that ga-train did not write ({shown}); "
+            "a run would write its model.keras, checkpoints and logs among them. Give a new or "
+            "empty directory, e.g. hydra.run.dir=runs/first, or leave hydra.run.dir unset (each "
+            "run gets a new directory)."
+        )
+
+
+def started_but_never_saved(run_dir):
+    """Whether ``run_dir`` holds a ga-train run that stopped before its first checkpoint."""
+    return (
+        os.path.exists(os.path.join(run_dir, LOCK_FILE))
+        and not os.path.exists(os.path.join(run_dir, RESULT_FILE))
+        and not checkpoint_numbers(run_dir)
+        and os.path.isdir(os.path.join(run_dir, ".hydra"))
+    )
+
+
+def clear_unsaved_start(run_dir):
+    """Remove what a run that stopped before its first checkpoint left (its logs, its record of
+    the job and resolved config), so that the same command starting again in the directory starts
+    clean; the lock file stays."""
+    for name in os.listdir(run_dir):
+        if name == LOCK_FILE:
+            continue
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)

@@ -3,10 +3,15 @@
 The runs are found and read by :mod:`gacli.report.sweep`. Each becomes one row; the columns are the
 overrides that differ between runs, the batch arithmetic, what the run did (updates, samples seen,
 wall time), its training speed and peak memory, its final and best metrics, its gradient noise
-scale and its status. The table goes to the terminal and, with the command of each run, to
-``report.md``; the same values to ``report.json``; the curves to PNG files
-(:mod:`gacli.report.plots`). TensorFlow is not imported
-(:func:`gacli.report.run_events.use_tensorboard_stub`).
+scale and its status. The table goes to ``report.md`` with the command of each run; the same values
+to ``report.json``; the curves to PNG files (:mod:`gacli.report.plots`). The terminal shows the
+columns that fit its width, one line a run, the swept settings and the main metric first. A run
+that cannot be read is left out and named with the reason; the others are reported. TensorFlow is
+not imported (:func:`gacli.report.run_events.use_tensorboard_stub`).
+
+Each file ga-report writes says so (report.md's first line, report.json's ``written_by``, the PNG
+files' ``gacli-lines`` text chunk), and is written whole or not at all. A file of that name without
+the mark is never replaced: ga-report stops before writing anything and asks for another ``--out``.
 """
 
 import argparse
@@ -15,6 +20,7 @@ import datetime
 import json
 import os
 import sys
+import typing
 
 from gacli.errors import EXIT_USAGE, ConfigError
 from gacli.report.sweep import (
@@ -22,9 +28,21 @@ from gacli.report.sweep import (
     find_runs,
     is_run_dir,
     lower_is_better,
-    read_run_dir,
+    metric_names,
+    read_runs,
     record,
+    shared_process,
 )
+
+WRITTEN_BY = "ga-report"
+# report.md's first line: the mark that lets a later ga-report replace it.
+MARKDOWN_MARK = "<!-- written by ga-report, which replaces this file when it runs again -->"
+PLOT_NAMES = ("validation.png", "speed_memory.png", "loss_time.png")
+SHARED_PROCESS_NOTE = {
+    True: "runs shared one process: later runs include earlier runs' memory",
+    None: "not recorded whether runs shared one process: a run's peak may include earlier runs' "
+    "memory",
+}
 
 _HELP = """ga-report: a sweep of ga-train runs at a glance, as a table and as plots.
 
@@ -37,7 +55,9 @@ Finds every run under the paths (finished, interrupted or failed, each marked), 
 run, and writes report.md, report.json and PNG plots (validation against samples seen, speed and
 memory against the swept setting, loss against wall time) into the one folder given, or --out.
 The best value of each column is marked: lower is better for losses, wall time and memory,
-higher for samples/s and other metrics.
+higher for samples/s and other metrics. The terminal shows the columns that fit its width; the
+files have them all. A run that cannot be read is named with the reason and left out. Files of
+those names that ga-report did not write are never replaced (give another --out).
 """
 
 
@@ -52,11 +72,9 @@ class Column:
     shown: bool = True
 
 
-def _metric_columns(rows):
-    names = sorted({key[6:] for row in rows for key in row if key.startswith("train_")})
-    names = {name[:-5] if name.endswith("_best") else name for name in names}
+def _metric_columns(metrics):
     columns = []
-    for metric in sorted(names, key=lambda name: (not lower_is_better(name), name)):
+    for metric in sorted(metrics, key=lambda name: (not lower_is_better(name), name)):
         better = "lower" if lower_is_better(metric) else "higher"
         for side in ("train", "val"):
             columns += [
@@ -66,8 +84,10 @@ def _metric_columns(rows):
     return columns
 
 
-def build_columns(rows, swept):
-    """The report's columns for these rows; ``swept``: the override keys that differ."""
+def build_columns(rows, swept, metrics):
+    """The report's columns for these rows; ``swept``: the override keys that differ;
+    ``metrics``: the runs' metric names (:func:`gacli.report.sweep.metric_names`), the only names
+    that get metric columns (an override named ``train_...`` is not one)."""
     batch_keys = ("micro_batch_size", "accum_steps", "replicas")
     columns = [Column("run", "run")]
     columns += [Column(key, key) for key in swept if key not in batch_keys]
@@ -80,7 +100,7 @@ def build_columns(rows, swept):
         Column("samples_per_sec", "train samples/s", "higher", "rate"),
         Column("host_peak_rss_bytes", "host peak RSS", "lower", "bytes"),
         Column("device_peak_bytes", "device peak", "lower", "bytes"),
-        *_metric_columns(rows),
+        *_metric_columns(metrics),
         Column("gradient_noise_scale", "noise scale", kind="rate"),
         Column("status", "status"),
     ]
@@ -119,8 +139,10 @@ def make_rows(runs, root):
         row.update({key: run.overrides.get(key) for key in swept})
         row.update(record(run))
         row.update(path=run.path, command=run.command, status_text=run.status_text())
+        row["status_short"] = run.status_text(short=True)
         rows.append(row)
-    return rows, build_columns(rows, swept), swept
+    metrics = set().union(*(metric_names(run) for run in runs))
+    return rows, build_columns(rows, swept, metrics), swept
 
 
 def _sortable(value):
@@ -164,11 +186,11 @@ def is_best(best, column, row):
     return column.key in best and best[column.key] == row.get(column.key)
 
 
-def format_value(column, row):
-    """The text of one cell."""
+def format_value(column, row, short=False):
+    """The text of one cell; ``short``: a failed run's status without its reason."""
     value = row.get(column.key)
     if column.key == "status":
-        return row.get("status_text") or str(value)
+        return row.get("status_short" if short else "status_text") or str(value)
     if column.kind == "batch":
         parts = [row.get(k) for k in ("micro_batch_size", "accum_steps", "replicas")]
         return " x ".join("?" if p is None else str(p) for p in parts) + f" = {value}"
@@ -185,33 +207,97 @@ def format_value(column, row):
     return str(value)
 
 
-def rich_table(rows, columns, best, title):
+def terminal_order(columns, swept):
+    """(the column keys a terminal shows, most wanted first; how many it always shows).
+
+    Always: the run, the swept settings, the main metric (the first validation metric, the loss
+    when there is one, else the first training one) and the status. Then the other final
+    validation metrics, speed, memory, the batch, training metrics, what the run did, the best
+    values and the noise scale.
+    """
+    keys = [column.key for column in columns if column.shown]
+    metrics = [column.key for column in columns if column.shown and column.kind == "metric"]
+    finals = [key for key in metrics if not key.endswith("_best")]
+    val_finals = [key for key in finals if key.startswith("val_")]
+    always = ["run", *[key for key in keys if key in swept], *(val_finals or finals)[:1], "status"]
+    wanted = [
+        *val_finals,
+        "samples_per_sec",
+        "device_peak_bytes",
+        "host_peak_rss_bytes",
+        "effective_batch_size",
+        *finals,
+        "updates",
+        "wall_seconds",
+        "samples_seen",
+        *metrics,
+        *keys,
+    ]
+    order = list(dict.fromkeys(key for key in always + wanted if key in keys))
+    return order, len(dict.fromkeys(always))
+
+
+def rich_table(rows, columns, best, title, width=None, swept=()):
+    """(the rich Table, the headers left out): the columns that fit ``width`` terminal columns
+    with each row on one line, in the report's order; all of them when ``width`` is None.
+
+    A column is as wide as its widest cell (headers wrap at spaces): rich then never folds a
+    cell. Only when the columns always shown do not fit does a cell fold, onto more lines.
+    """
+    from rich.cells import cell_len
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=title, header_style="bold")
     shown = [column for column in columns if column.shown]
-    for column in shown:
+    texts = {
+        column.key: [format_value(column, row, short=width is not None) for row in rows]
+        for column in shown
+    }
+    needed = {
+        column.key: max(cell_len(text) for text in [*column.header.split(), *texts[column.key]])
+        for column in shown
+    }
+    order, always = terminal_order(shown, swept)
+    chosen, used = set(), 1  # the table's left edge
+    for rank, key in enumerate(order):
+        cost = needed[key] + 3  # one space each side and the border on the right
+        if width is None or rank < always or used + cost <= width:
+            chosen.add(key)
+            used += cost
+    table = Table(title=title, header_style="bold")
+    kept = [column for column in shown if column.key in chosen]
+    for column in kept:
         table.add_column(
             column.header,
             justify="left" if column.kind == "text" else "right",
-            no_wrap=column.kind in ("batch", "seconds", "bytes"),
+            width=needed[column.key],
+            overflow="fold",
         )
-    for row in rows:
+    for index, row in enumerate(rows):
         table.add_row(
             *(
                 Text(
-                    format_value(column, row),
+                    texts[column.key][index],
                     style="bold green" if is_best(best, column, row) else "",
                 )
-                for column in shown
+                for column in kept
             )
         )
-    return table
+    return table, [column.header for column in shown if column.key not in chosen]
 
 
-def markdown(rows, columns, best, paths, plots):
-    """``report.md``: the table (best values in bold), each run's command, the plots."""
+class Table(typing.NamedTuple):
+    """The report's table: a row per run, its columns, the best value of each column."""
+
+    rows: list
+    columns: list
+    best: dict
+
+
+def markdown(table, paths, plots, skipped=(), memory_note=None):
+    """``report.md``: the table (best values in bold), each run's command, the plots, the runs
+    left out; its first line marks it as ga-report's."""
+    rows, columns, best = table
     shown = [column for column in columns if column.shown]
 
     def cell(column, row):
@@ -219,6 +305,7 @@ def markdown(rows, columns, best, paths, plots):
         return f"**{text}**" if is_best(best, column, row) else text
 
     lines = [
+        MARKDOWN_MARK,
         "# ga-report",
         "",
         f"{len(rows)} runs under {', '.join(f'`{p}`' for p in paths)}. The best value of each "
@@ -229,20 +316,28 @@ def markdown(rows, columns, best, paths, plots):
         "|" + "|".join("---" if column.kind == "text" else "---:" for column in shown) + "|",
     ]
     lines += ["| " + " | ".join(cell(column, row) for column in shown) + " |" for row in rows]
+    if memory_note:
+        lines += ["", f"Peak memory: {memory_note}."]
     lines += ["", "## Commands", ""]
     lines += [f"- `{row['run']}`: `{row['command']}`" for row in rows]
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{title}]({os.path.basename(path)})" for title, path in plots]
+    if skipped:
+        lines += ["", "## Runs left out", ""]
+        lines += [f"- `{place.path}`: {place.reason}" for place in skipped]
     return "\n".join(lines) + "\n"
 
 
-def report_json(rows, columns, best, swept, paths):
-    """``report.json``: the rows' values (numbers as the runs hold them), the columns, the best."""
+def report_json(table, swept, paths, skipped=(), shared=None):
+    """``report.json``: the rows' values (numbers as the runs hold them), the columns, the best,
+    the runs left out, whether runs shared one process (None: not recorded)."""
+    rows, columns, best = table
     from gacli.rundir import strict_json
 
     return strict_json(
         {
+            "written_by": WRITTEN_BY,
             "created": datetime.datetime.now().isoformat(timespec="seconds"),
             "paths": [os.path.abspath(path) for path in paths],
             "swept": list(swept),
@@ -252,6 +347,8 @@ def report_json(rows, columns, best, swept, paths):
             ],
             "best": best,
             "runs": [{key: value for key, value in row.items()} for row in rows],
+            "skipped": [dataclasses.asdict(place) for place in skipped],
+            "runs_shared_one_process": shared,
         }
     )
 
@@ -282,35 +379,115 @@ def parse_arguments(argv):
 def run_report(paths, sort=None, out=None, plots=True, console=None):
     """Find, read and report the runs under ``paths``; the report's JSON data.
 
-    Raises ReportError on input the user can fix.
+    Runs that cannot be read are left out and named (on standard error when ``console`` is
+    given). Raises ReportError on input the user can fix: no run could be read, or a file to be
+    written is there and ga-report did not write it.
     """
     from gacli.report.run_events import use_tensorboard_stub
 
     use_tensorboard_stub(paths)
-    runs = [read_run_dir(path) for path in find_runs(paths)]
+    found, skipped = find_runs(paths)
+    runs, damaged = read_runs(found)
+    skipped = sorted(skipped + damaged, key=lambda place: place.path)
+    if console is not None:
+        for place in skipped:
+            print(f"ga-report: skipped {place.path}: {place.reason}", file=sys.stderr)
+    if not runs:
+        raise ReportError(
+            f"no run under {', '.join(paths)} could be read: each of the {len(skipped)} places "
+            "found is named above with what is wrong with it (a file cut short, not valid "
+            "YAML or JSON, unreadable). Repair or remove them, or give the paths of other runs."
+        )
     out = output_dir(paths, out)
+    names = ["report.md", "report.json", *(PLOT_NAMES if plots else ())]
+    _check_ours(out, names, paths)
     rows, columns, swept = make_rows(runs, out)
     rows = sort_rows(rows, columns, sort, swept)
     best = best_values(rows, columns)
+    memory = any(row.get(k) for row in rows for k in ("host_peak_rss_bytes", "device_peak_bytes"))
+    shared = shared_process(runs) if len(runs) > 1 and memory else False
     title = f"ga-report: {len(rows)} runs, sorted by {sort or ', '.join(swept) or 'run'}"
     if console is not None:
-        console.print(rich_table(rows, columns, best, title))
+        table, hidden = rich_table(rows, columns, best, title, console.width, swept)
+        console.print(table)
+        if hidden:
+            console.print(f"also in report.md and report.json: {', '.join(hidden)}")
     _writable(out)
     written = []
     if plots:
         from gacli.report.plots import write_plots
 
-        written = write_plots(runs, rows, swept, out)
-    data = report_json(rows, columns, best, swept, paths)
-    with open(os.path.join(out, "report.json"), "w") as handle:
-        json.dump(data, handle, indent=2, allow_nan=False)
-    with open(os.path.join(out, "report.md"), "w") as handle:
-        handle.write(markdown(rows, columns, best, paths, written))
+        written = write_plots(runs, rows, swept, out, SHARED_PROCESS_NOTE.get(shared))
+    results = Table(rows, columns, best)
+    data = report_json(results, swept, paths, skipped, shared)
+    write_atomically(
+        os.path.join(out, "report.json"),
+        lambda handle: json.dump(data, handle, indent=2, allow_nan=False),
+    )
+    text = markdown(results, paths, written, skipped, SHARED_PROCESS_NOTE.get(shared))
+    write_atomically(os.path.join(out, "report.md"), lambda handle: handle.write(text))
     if console is not None:
+        left_out = f"; {len(skipped)} left out (named above)" if skipped else ""
         console.print(
-            f"wrote report.md, report.json and {len(written)} plots to {out}", soft_wrap=True
+            f"wrote report.md, report.json and {len(written)} plots to {out}{left_out}",
+            soft_wrap=True,
         )
     return data
+
+
+def write_atomically(path, write, binary=False):
+    """Call ``write(handle)`` on a new file that then replaces ``path``: a reader (or a stopped
+    ga-report) sees the old file or the whole new one, never half of one."""
+    folder, name = os.path.split(os.path.abspath(path))
+    # open(), not tempfile: the file gets the permissions the user's umask gives, not 0600.
+    scratch = os.path.join(folder, f".ga-report-{os.getpid()}-{name}")
+    try:
+        with open(scratch, "wb" if binary else "w") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(scratch, path)
+    finally:
+        if os.path.lexists(scratch):
+            os.remove(scratch)
+
+
+def written_by_report(path):
+    """Whether ``path`` is a file an earlier ga-report wrote (by its mark: see the module's
+    docstring; or by the shape of the files ga-report wrote before it marked them)."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(2**20)
+    except OSError:
+        return False
+    if path.endswith(".png"):
+        return head.startswith(b"\x89PNG") and b"gacli-lines\x00" in head
+    if path.endswith(".md"):
+        first = head.split(b"\n", 1)[0].decode("utf-8", "replace")
+        return first in (MARKDOWN_MARK, "# ga-report")
+    try:
+        data = json.loads(head)
+    except ValueError:
+        return False
+    earlier = {"created", "paths", "swept", "columns", "best", "runs"}
+    return isinstance(data, dict) and (data.get("written_by") == WRITTEN_BY or earlier <= set(data))
+
+
+def _check_ours(out, names, paths):
+    """ReportError before anything is written when a file ga-report would write is there and
+    ga-report did not write it."""
+    for name in names:
+        path = os.path.join(out, name)
+        if os.path.lexists(path) and not written_by_report(path):
+            elsewhere = os.path.join(out, "ga-report")
+            raise ReportError(
+                f"{path} is there and ga-report did not write it (it has no ga-report mark), so "
+                "it is left as it is and nothing was written: ga-report never replaces files it "
+                "did not write. Write the report into another folder, e.g. ga-report "
+                f"{' '.join(paths)} --out {elsewhere}, or move {name} away first."
+            )
 
 
 def _writable(folder):

@@ -8,13 +8,18 @@
 
 Run ``i`` of the report has colour ``C<i>`` of matplotlib's cycle in every plot. Each PNG carries
 its lines' labels by axes in a ``gacli-lines`` text chunk (JSON), so that what a plot shows can be
-checked without reading pixels. Figures are drawn with the object API and the Agg canvas: no
-pyplot, no change to a caller's matplotlib backend.
+checked without reading pixels, and the notes under its titles in ``gacli-notes``; the chunk also
+marks the file as ga-report's (:func:`gacli.report.cli.written_by_report`). When the runs shared one
+process (a ``-m`` sweep's basic launcher), the memory panel says that later runs include earlier
+runs' memory: their peaks grow from run to run whatever the setting. Figures are drawn with the
+object API and the Agg canvas: no pyplot, no change to a caller's matplotlib backend.
 """
 
 import json
 import os
+import textwrap
 
+from gacli.report.cli import write_atomically
 from gacli.report.sweep import lower_is_better, samples_at_steps
 
 _MIB = 2**20
@@ -27,14 +32,19 @@ def _figure(axes_count):
     return figure, figure.subplots(1, axes_count, squeeze=False)[0]
 
 
-def _save(figure, axes, lines, path):
+def _save(figure, axes, lines, path, notes=None):
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             # "best" searches every point for room: seconds for long runs' loss curves.
             points = sum(len(line.get_xdata()) for line in ax.get_lines())
             ax.legend(fontsize="small", loc="best" if points < 500 else "upper right")
-    figure.savefig(path, dpi=100, metadata={"gacli-lines": json.dumps(lines)})
+    metadata = {"gacli-lines": json.dumps(lines), "gacli-notes": json.dumps(notes or {})}
+    write_atomically(
+        path,
+        lambda handle: figure.savefig(handle, format="png", dpi=100, metadata=metadata),
+        binary=True,
+    )
     return path
 
 
@@ -96,9 +106,10 @@ def _x_axis(rows, swept):
     return key, numbers, None
 
 
-def speed_memory_plot(rows, labels, swept, path):
+def speed_memory_plot(rows, labels, swept, path, memory_note=None):
     """Training samples/s and peak memory (device where tracked, else host RSS) against the
-    swept setting, one point per run in its colour."""
+    swept setting, one point per run in its colour; ``memory_note`` under the memory title
+    (why the peaks may not be each run's own)."""
     key, x, ticks = _x_axis(rows, swept)
     device = any(row.get("device_peak_bytes") is not None for row in rows)
     memory_key = "device_peak_bytes" if device else "host_peak_rss_bytes"
@@ -107,26 +118,32 @@ def speed_memory_plot(rows, labels, swept, path):
         (memory_key, ("device" if device else "host RSS") + " peak memory (MiB)", _MIB),
     ]
     figure, axes = _figure(2)
-    lines = {}
+    lines, notes = {}, {}
     for ax, (column, title, unit) in zip(axes, panels):
         present = [(x[i], row[column] / unit, i) for i, row in enumerate(rows) if row.get(column)]
         lines[title] = [labels[i] for _, _, i in present]
-        if present and ticks is None:
+        # A line through memory peaks that earlier runs raised would read as a trend: left out.
+        shared = column == memory_key and memory_note and len(present) > 1
+        if present and ticks is None and not shared:
             ordered = sorted(present)
             ax.plot([p[0] for p in ordered], [p[1] for p in ordered], "-", color="0.6", zorder=1)
         for xi, yi, i in present:
             ax.scatter([xi], [yi], s=50, color=_colour(i), zorder=2, label=labels[i])
         ax.set(title=title, xlabel=key, ylabel=title)
+        if shared:
+            notes[title] = memory_note
+            ax.set_title("\n".join([title, *textwrap.wrap(memory_note, 44)]), color="firebrick")
         if ticks is not None:
             ax.set_xticks(x, ticks, rotation=30, ha="right", fontsize="small")
         elif key == "accum_steps" and len(set(x)) > 1:
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted(set(x)), [f"{v:g}" for v in sorted(set(x))])
-    return _save(figure, axes, lines, path)
+    return _save(figure, axes, lines, path, notes)
 
 
-def write_plots(runs, rows, swept, out_dir):
-    """Write the plots of ``rows`` (the report's order) into ``out_dir``; [(title, path)]."""
+def write_plots(runs, rows, swept, out_dir, memory_note=None):
+    """Write the plots of ``rows`` (the report's order) into ``out_dir``; [(title, path)].
+    ``memory_note``: why the peaks may not be each run's own, or None."""
     by_path = {run.path: run for run in runs}
     ordered = [by_path[row["path"]] for row in rows]
     labels = [", ".join(f"{key}={row.get(key)}" for key in swept) or row["run"] for row in rows]
@@ -137,7 +154,9 @@ def write_plots(runs, rows, swept, out_dir):
         ),
         (
             "training samples/s and peak memory",
-            speed_memory_plot(rows, labels, swept, os.path.join(out_dir, "speed_memory.png")),
+            speed_memory_plot(
+                rows, labels, swept, os.path.join(out_dir, "speed_memory.png"), memory_note
+            ),
         ),
         (
             "training loss against wall time",

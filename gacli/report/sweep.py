@@ -9,12 +9,18 @@ found however they were started: the job folders of a ``-m`` sweep, the runs of 
 counted once (:mod:`gacli.runner.run_logging` writes them, :mod:`gacli.report.run_events` reads them
 back).
 
+A run whose files cannot be read (cut short, not the format ga-train writes, unreadable) is not
+read at all: :func:`read_runs` names it with what is wrong, and the other runs are reported.
+Event files are the exception: TensorBoard's reader keeps the events before a cut or a damaged
+record, which is what a killed process leaves.
+
 No TensorFlow here.
 """
 
 import dataclasses
 import json
 import os
+import re
 import shlex
 
 from gacli.errors import ConfigError
@@ -22,18 +28,28 @@ from gacli.report.run_events import event_files, read_run
 from gacli.rundir import FAILURE_FILE, LOCK_FILE, RESULT_FILE, has_restorable_checkpoint
 
 FINISHED, INTERRUPTED, FAILED, UNFINISHED = "finished", "interrupted", "failed", "unfinished"
-# result.json keys that are not a metric of the model.
+# result.json keys that are not a metric of the model: settings, counters, memory, fingerprints.
+# A key that names a setting of the run's config (resolved.yaml) is not one either.
 _NOT_METRICS = {
+    "accum_steps",
+    "micro_batch_size",
+    "replicas",
+    "effective_batch_size",
     "optimizer_step",
     "micro_step",
     "gradient_noise_scale",
-    "effective_batch_size",
     "weights_sha256",
     "host_peak_rss_bytes",
+    "device_peak_bytes",
     "skipped_micro_batches",
     "skipped_windows",
+    "oom_recoveries",
     "loss_scale",
 }
+# result.json keys that hold a number (or null) in every run ga-train writes.
+_NUMBERS = ("optimizer_step", "micro_step", "host_peak_rss_bytes", "gradient_noise_scale")
+# A job folder of a -m sweep: "<job number>_<overrides>" (hydra.sweep.subdir), or the number alone.
+_JOB_FOLDER = re.compile(r"^\d+(_.*)?$")
 _NOT_SWEPT = ("hydra.", "resume")  # overrides that say where a run went, not what it did
 _SKIP_DIRS = {"checkpoints", "tensorboard"}
 
@@ -42,63 +58,161 @@ class ReportError(ConfigError):
     """Input to ``ga-report`` the user can fix; the message says what to type."""
 
 
+class DamagedRun(Exception):
+    """A run directory that cannot be read; the message names the file and what is wrong."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A run ``ga-report`` found and left out, and why (one line)."""
+
+    path: str
+    reason: str
+
+
 def lower_is_better(metric):
     """Whether a smaller value of ``metric`` is better: losses and errors, not accuracy or IoU."""
     return any(word in metric for word in ("loss", "error", "mse", "mae", "perplexity"))
 
 
 def is_run_dir(path):
+    # exists, not isfile: a result.json that is a folder is a damaged run, not no run.
     return (
-        os.path.isfile(os.path.join(path, RESULT_FILE))
-        or os.path.isfile(os.path.join(path, FAILURE_FILE))
-        or os.path.isfile(os.path.join(path, ".hydra", "overrides.yaml"))
+        os.path.exists(os.path.join(path, RESULT_FILE))
+        or os.path.exists(os.path.join(path, FAILURE_FILE))
+        or os.path.exists(os.path.join(path, ".hydra", "overrides.yaml"))
         or bool(event_files(path))
     )
 
 
+def _not_a_directory(path):
+    return ReportError(
+        f"{path} is not a directory. Give a sweep's directory (multirun/<recipe>/<time>), "
+        "a run directory, or a folder that holds runs (outputs/<recipe>), e.g. "
+        "ga-report multirun/unet/2025-01-01_12-00-00."
+    )
+
+
 def find_runs(paths):
-    """Every run directory under ``paths`` (each a run, a sweep, or a parent of either), sorted."""
-    found = set()
+    """(every run directory under ``paths``, sorted; the :class:`Skipped` places).
+
+    Each path is a run, a sweep, or a parent of either. Skipped: a path that is not a directory
+    (when another path holds runs), a folder that cannot be listed, and a file where a sweep has
+    its job folders.
+    """
+    found, skipped = set(), []
+
+    def unlisted(error):
+        skipped.append(Skipped(os.fsdecode(error.filename), f"cannot be listed ({_why(error)})"))
+
     for path in paths:
         if not os.path.isdir(path):
-            raise ReportError(
-                f"{path} is not a directory. Give a sweep's directory (multirun/<recipe>/<time>), "
-                "a run directory, or a folder that holds runs (outputs/<recipe>), e.g. "
-                "ga-report multirun/unet/2025-01-01_12-00-00."
-            )
-        for folder, subfolders, _ in os.walk(path):
+            skipped.append(Skipped(path, "not a directory"))
+            continue
+        for folder, subfolders, files in os.walk(path, onerror=unlisted):
             if is_run_dir(folder):
                 found.add(os.path.abspath(folder))
                 subfolders[:] = []  # a run holds no other runs
-            else:
-                subfolders[:] = [
-                    name
-                    for name in subfolders
-                    if not name.startswith(".") and name not in _SKIP_DIRS
+                continue
+            subfolders[:] = [
+                name for name in subfolders if not name.startswith(".") and name not in _SKIP_DIRS
+            ]
+            if "multirun.yaml" in files:
+                skipped += [
+                    Skipped(os.path.abspath(os.path.join(folder, name)), "a file, not a run folder")
+                    for name in sorted(files)
+                    if _JOB_FOLDER.match(name)
                 ]
-    if not found:
+    if not found and skipped and all(place.reason == "not a directory" for place in skipped):
+        raise _not_a_directory(skipped[0].path)
+    if not found and not skipped:
         raise ReportError(
             f"no ga-train runs under {', '.join(paths)}: no directory there holds result.json, "
             ".hydra/overrides.yaml or tensorboard event files. Give the directory ga-train printed "
             "as 'run directory:' (or its parent, e.g. multirun/unet/<time> or outputs/unet)."
         )
-    return sorted(found)
+    return sorted(found), skipped
 
 
-def _load_yaml(path):
+def read_runs(paths):
+    """(the :class:`Run` of each directory that could be read, the :class:`Skipped` others)."""
+    runs, skipped = [], []
+    for path in paths:
+        try:
+            runs.append(read_run_dir(path))
+        except DamagedRun as error:
+            skipped.append(Skipped(path, str(error)))
+    return runs, skipped
+
+
+def _why(error):
+    return error.strerror or str(error)
+
+
+def _read_text(run_dir, name):
+    """The text of file ``name`` of the run, or None when there is none."""
+    try:
+        with open(os.path.join(run_dir, name), encoding="utf-8") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return None
+    except OSError as error:  # a folder of that name, no permission, an I/O error
+        raise DamagedRun(f"{name} cannot be read ({_why(error)})") from None
+    except UnicodeDecodeError:
+        raise DamagedRun(f"{name} is not text (not UTF-8)") from None
+
+
+def _of_type(value, expected, name):
+    """``value`` when it is an ``expected`` (dict or list): what ga-train writes there."""
+    if not isinstance(value, expected):
+        held = "nothing" if value is None else f"a {type(value).__name__}"
+        wanted = "a mapping" if expected is dict else "a list"
+        raise DamagedRun(f"{name} holds {held}, not {wanted} (cut short or not ga-train's?)")
+    return value
+
+
+def _load_yaml(run_dir, name, expected):
     import yaml
 
-    if not os.path.isfile(path):
+    text = _read_text(run_dir, name)
+    if text is None:
         return None
-    with open(path) as handle:
-        return yaml.load(handle, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    try:
+        value = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise DamagedRun(f"{name} is not valid YAML{line} (cut short or edited?)") from None
+    return _of_type(value, expected, name)
 
 
-def _load_json(path):
-    if not os.path.isfile(path):
+def _load_json(run_dir, name):
+    text = _read_text(run_dir, name)
+    if text is None:
         return None
-    with open(path) as handle:
-        return json.load(handle)
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise DamagedRun(f"{name} is not valid JSON (cut short?): {error}") from None
+    return _of_type(value, dict, name)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_numbers(result, keys, name):
+    for key in keys:
+        if result.get(key) is not None and not _is_number(result[key]):
+            raise DamagedRun(f"{name}: {key} is {result[key]!r}, not a number")
+
+
+def _whole_number(value, name, key):
+    if value is None:
+        return None
+    if not _is_number(value) or value != int(value):
+        raise DamagedRun(f"{name}: {key} is {value!r}, not a whole number")
+    return int(value)
 
 
 @dataclasses.dataclass
@@ -113,6 +227,9 @@ class Run:
         failure: ``failure.json`` (runs that failed while training), else None.
         events: the merged :class:`~gacli.report.run_events.RunEvents`.
         command: the ``ga-train`` command that runs it again.
+        settings: the top-level keys of the run's config (``resolved.yaml``).
+        processes: ``host:pid`` of each process that trained it (event file names, lock file);
+            empty when none is recorded.
     """
 
     path: str
@@ -122,6 +239,8 @@ class Run:
     failure: dict
     events: object
     command: str
+    settings: frozenset = frozenset()
+    processes: frozenset = frozenset()
 
     @property
     def status(self):
@@ -131,14 +250,15 @@ class Run:
             return INTERRUPTED
         return FAILED if self.failure is not None else UNFINISHED
 
-    def status_text(self):
-        """The status, with how often the run was resumed and why a failed run stopped."""
+    def status_text(self, short=False):
+        """The status, with how often the run was resumed and why a failed run stopped (not
+        when ``short``)."""
         text = {INTERRUPTED: "interrupted (resumable)"}.get(self.status, self.status)
         if self.failure is not None and self.result is None:
-            reason = str(self.failure.get("error", "")).splitlines()[0][:60]
-            text = f"failed (exit {self.failure.get('exit_code')}: {reason})" + (
-                ", resumable" if self.status == INTERRUPTED else ""
-            )
+            reason = (str(self.failure.get("error", "")).splitlines() or ["?"])[0][:60]
+            exit_code = f"exit {self.failure.get('exit_code')}"
+            text = f"failed ({exit_code}" + ("" if short else f": {reason}") + ")"
+            text += ", resumable" if self.status == INTERRUPTED else ""
         starts = len(self.events.files)
         return text + (f", resumed {starts - 1}x" if starts > 1 else "")
 
@@ -147,19 +267,31 @@ def _first_known(*values):
     return next((value for value in values if value is not None), None)
 
 
+def _read_events(path):
+    try:
+        return read_run(path)
+    except OSError as error:  # a folder named like an event file, no permission
+        name = os.path.relpath(os.fsdecode(error.filename or "tensorboard"), path)
+        raise DamagedRun(f"{name} cannot be read ({_why(error)})") from None
+
+
 def read_run_dir(path):
-    """The :class:`Run` in directory ``path``."""
-    listed = _load_yaml(os.path.join(path, ".hydra", "overrides.yaml")) or []
+    """The :class:`Run` in directory ``path``; DamagedRun when a file of it cannot be read."""
+    if not os.path.isdir(path):
+        raise DamagedRun("not a directory")
+    overrides_name = os.path.join(".hydra", "overrides.yaml")
+    listed = _load_yaml(path, overrides_name, list) or []
     overrides = {}
     for item in listed:
         key, _, value = str(item).partition("=")
         overrides[key.lstrip("+~")] = value
-    events = read_run(path)
-    resolved = (_load_yaml(os.path.join(path, "resolved.yaml")) or {}).get("resolved") or {}
+    events = _read_events(path)
+    config = _load_yaml(path, "resolved.yaml", dict) or {}
+    resolved = _of_type(config.get("resolved") or {}, dict, "resolved.yaml's resolved:")
     # What the run trained with last (oom=recover may have halved the micro-batch), else what
     # it started with.
     batch = {
-        key: _first_known(events.last(tag), resolved.get(key))
+        key: _whole_number(_first_known(events.last(tag), resolved.get(key)), "resolved.yaml", key)
         for key, tag in (
             ("micro_batch_size", "batch/micro_size"),
             ("accum_steps", "batch/accum_steps"),
@@ -167,30 +299,71 @@ def read_run_dir(path):
             ("effective_batch_size", "batch/effective_size"),
         )
     }
-    batch = {key: None if value is None else int(value) for key, value in batch.items()}
-    return Run(
+    result = _load_json(path, RESULT_FILE)
+    if result is not None:
+        _check_numbers(result, _NUMBERS, RESULT_FILE)
+    holder, launched = _lock_file_command(path)
+    run = Run(
         path=path,
         overrides=overrides,
         batch=batch,
-        result=_load_json(os.path.join(path, RESULT_FILE)),
-        failure=_load_json(os.path.join(path, FAILURE_FILE)),
+        result=result,
+        failure=_load_json(path, FAILURE_FILE),
         events=events,
-        command=_command(path, listed),
+        command=_command(launched, listed),
+        settings=frozenset(config),
+        processes=frozenset(_event_processes(events.files) + holder),
     )
+    metric_names(run)  # DamagedRun when a metric of result.json is not a number
+    return run
 
 
-def _command(path, overrides):
+_LOCK_HOLDER = re.compile(r"^ga-train, pid (\d+) on (\S+), started ")
+
+
+def _lock_file_command(path):
+    """([``host:pid``] of the process that last held the run, the command it was started with)
+    from the run's lock file; ([], []) when there is none or it is not one ga-train wrote."""
+    try:
+        with open(os.path.join(path, LOCK_FILE)) as handle:
+            text = handle.read()
+        holder = _LOCK_HOLDER.match(text)
+        launched = shlex.split(text.split(": ", 1)[-1])
+    except (OSError, ValueError):  # no lock file, or not one ga-train wrote: use overrides.yaml
+        return [], []
+    return ([f"{holder[2]}:{holder[1]}"] if holder else []), launched
+
+
+def _event_processes(files):
+    """``host:pid`` of each event file's process: TensorFlow names the file
+    ``events.out.tfevents.<seconds>.<host>.<pid>.<number>[.v2]`` (a host may hold dots)."""
+    processes = []
+    for path in files:
+        name = os.path.basename(path).split(".", 4)[-1].removesuffix(".v2")
+        host, _, rest = name.rpartition(".")[0].rpartition(".")
+        if host and rest.isdigit():
+            processes.append(f"{host}:{rest}")
+    return processes
+
+
+def shared_process(runs):
+    """True when two of ``runs`` trained in one process (a ``-m`` sweep's basic launcher runs
+    its jobs one after another in one), False when each recorded its own, None when some run
+    recorded no process."""
+    seen = {}
+    for run in runs:
+        for process in run.processes:
+            if seen.setdefault(process, run.path) != run.path:
+                return True
+    return None if any(not run.processes for run in runs) else False
+
+
+def _command(launched, overrides):
     """``ga-train config=<recipe or file> <overrides>``: the run's job as one command.
 
     The ``config=`` argument is taken from the command in the run's lock file (as typed: a shipped
     recipe or a path); a sweep's ``-m a=1,2`` becomes this job's own values.
     """
-    launched = []
-    try:
-        with open(os.path.join(path, LOCK_FILE)) as handle:
-            launched = shlex.split(handle.read().split(": ", 1)[-1])
-    except (OSError, ValueError):  # no lock file, or not one ga-train wrote: use overrides.yaml
-        launched = []
     config = [word for word in launched if word.startswith("config=")]
     words = config[-1:] or [
         f"config={o.split('=', 1)[1]}" for o in overrides if o.startswith("config=")
@@ -200,12 +373,21 @@ def _command(path, overrides):
 
 
 def metric_names(run):
-    """The model's metrics the run logged (``loss``, ``iou``, ...), without train/val prefixes."""
-    names = {key[4:] if key.startswith("val_") else key for key in (run.result or {})}
-    names -= _NOT_METRICS
-    names |= {
+    """The model's metrics the run logged (``loss``, ``iou``, ...), without train/val prefixes.
+
+    From the event files' ``train/`` and ``val/`` tags, and result.json's numbers that are not a
+    setting, a counter or memory (``accum_steps``, ``optimizer_step``, ...: ``_NOT_METRICS``, and
+    any key of the run's config).
+    """
+    result = run.result or {}
+    logged = {
         tag.split("/", 1)[1] for tag in run.events.series if tag.startswith(("train/", "val/"))
     }
+    names = {key.removeprefix("val_") for key, value in result.items() if _is_number(value)}
+    names -= _NOT_METRICS | run.settings
+    names |= logged
+    for key in [key for name in names for key in (name, f"val_{name}") if key in result]:
+        _check_numbers(result, [key], RESULT_FILE)
     return names
 
 

@@ -302,12 +302,29 @@ def _check_run_dirs(options, assignments, launch):
         return
     run_dir = os.path.abspath(fixed[-1])
     resume = any(_key(a) == "resume" for a in assignments)
+    chief = rundir.is_chief()  # other workers of a cluster share the chief's directory
     if os.path.isdir(run_dir):
         launch.kept_dir = run_dir
+        if chief:
+            rundir.check_ours(run_dir)  # before the lock file is made
     rundir.check_writable(rundir.nearest_existing(run_dir), "the run directory's parent,")
-    if rundir.is_chief():  # other workers of a cluster may share the chief's directory
+    if chief:
         rundir.lock(run_dir, launch.command)  # first: a live run is "in use", not "unfinished"
     rundir.check_usable(run_dir, resume)
+    if chief and not resume and rundir.started_but_never_saved(run_dir):
+        _start_again_in(run_dir, assignments)
+
+
+def _start_again_in(run_dir, assignments):
+    """A directory whose run stopped before its first checkpoint: the same command starts again
+    in it, clean; another command is refused (its files would mix with the earlier start's)."""
+    if not _same_command(run_dir, [a for a in assignments if not _key(a).startswith("hydra")]):
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} holds an earlier run of another command that stopped before "
+            "its first checkpoint; its logs and settings would mix with this run's. Give a new "
+            "hydra.run.dir, or delete that directory if its start is of no use."
+        )
+    rundir.clear_unsaved_start(run_dir)
 
 
 def main(argv=None):

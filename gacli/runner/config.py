@@ -387,9 +387,11 @@ class AutoPlan:
     replicas: int
 
     def candidates(self, largest):
-        """Every micro-batch size the arithmetic allows, up to ``largest``, smallest first."""
+        """Every micro-batch size the arithmetic allows, up to ``largest`` (the training samples
+        per replica), smallest first. With ``accum_steps`` kept, no size makes the effective batch
+        larger than the training set."""
         if self.effective_batch_size is None:
-            return list(range(1, largest + 1))
+            return list(range(1, max(1, largest // (self.accum_steps or 1)) + 1))
         per_replica = self.effective_batch_size // self.replicas
         return [size for size in range(1, min(largest, per_replica) + 1) if per_replica % size == 0]
 
@@ -461,6 +463,8 @@ def validate(cfg, given=()):
             "which works around it)."
         )
     _validate_batch_choice(cfg)
+    _validate_ranges(cfg)
+    _refuse_inert_keys(cfg, given)
     if cfg.steps_per_execution is not None and cfg.steps_per_execution < 1:
         raise ConfigError(
             f"steps_per_execution={cfg.steps_per_execution} must be >= 1 (micro-batches per "
@@ -528,4 +532,107 @@ def _validate_batch_choice(cfg):
             f"oom=recover needs every compiled call inside one window, but steps_per_execution="
             f"{spe} does not divide accum_steps; drop steps_per_execution (a window a call) or "
             "use steps_per_execution=1."
+        )
+
+
+# Every numeric key's range, where one call with a value outside it would otherwise fail deep in
+# Keras or NumPy, or train with a value that means nothing: (low, high, inclusive low, example).
+# None: no bound on that side.
+_RANGES = {
+    "seed": (0, 2**32 - 1, True, "seed=0"),
+    "model.depth": (1, None, True, "model.depth=3"),
+    "model.base_filters": (1, None, True, "model.base_filters=16"),
+    "model.dropout": (0.0, 1.0, True, "model.dropout=0.1"),
+    "dataset.num_samples": (1, None, True, "dataset.num_samples=256"),
+    "dataset.image_size": (1, None, True, "dataset.image_size=32"),
+    "dataset.num_classes": (0, None, True, "dataset.num_classes=0 (inferred from the data)"),
+    "optimizer.momentum": (0.0, 1.0, True, "optimizer.momentum=0.9"),
+    "optimizer.weight_decay": (0.0, None, True, "optimizer.weight_decay=0.01"),
+    "optimizer.clipnorm": (0.0, None, False, "optimizer.clipnorm=1.0"),
+    "optimizer.global_clipnorm": (0.0, None, False, "optimizer.global_clipnorm=1.0"),
+    "optimizer.clip_factor": (0.0, None, False, "optimizer.clip_factor=0.01"),
+    "optimizer.warmup_updates": (0, None, True, "optimizer.warmup_updates=100"),
+    "optimizer.decay_rate": (0.0, 1.0, False, "optimizer.decay_rate=0.5"),
+    "optimizer.decay_updates": (0, None, True, "optimizer.decay_updates=1000"),
+    "optimizer.base_batch_size": (1, None, True, "optimizer.base_batch_size=256"),
+    "strategy.port": (1, 65535, True, "strategy.port=29500"),
+}
+
+
+def _validate_ranges(cfg):
+    """ConfigError naming the key, its range and an example, for a value outside its range."""
+    from omegaconf import OmegaConf
+
+    for key, (low, high, closed, example) in _RANGES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        below = value < low if closed else value <= low
+        above = high is not None and (value >= high if key == "model.dropout" else value > high)
+        if below or above:
+            lower = f"{'>=' if closed else '>'} {low}"
+            upper = f" and {'<' if key == 'model.dropout' else '<='} {high}" if high else ""
+            raise ConfigError(f"{key}={value} must be {lower}{upper}, e.g. {example}.")
+    sizes = [*cfg.model.hidden_units, *cfg.model.filters]
+    if any(size < 1 for size in sizes):
+        raise ConfigError(
+            f"model.hidden_units={list(cfg.model.hidden_units)} and model.filters="
+            f"{list(cfg.model.filters)} must hold layer widths >= 1, e.g. "
+            "model.hidden_units=[64,64]."
+        )
+    if cfg.dataset.channels not in (1, 3):
+        raise ConfigError(
+            f"dataset.channels={cfg.dataset.channels} must be 1 (grey) or 3 (colour), e.g. "
+            "dataset.channels=3."
+        )
+
+
+# Keys that only some choices read: {key: (what decides, the choices that read it)}. A key given
+# on the command line that the run's choice does not read would change nothing: refused.
+_READ_ONLY_BY = {
+    "model.hidden_units": ("model.name", ("mlp",)),
+    "model.dropout": ("model.name", ("mlp",)),
+    "model.filters": ("model.name", ("cnn",)),
+    "model.depth": ("model.name", ("unet", "resnet")),
+    "model.base_filters": ("model.name", ("unet", "resnet")),
+    "dataset.num_samples": ("dataset.name", ("shapes",)),
+    "dataset.image_size": ("dataset.name", ("shapes", "image_folder")),
+    "dataset.channels": ("dataset.name", ("shapes", "image_folder")),
+    "dataset.path": ("dataset.name", ("npz", "image_folder", "tfrecord")),
+    "dataset.x_key": ("dataset.name", ("npz",)),
+    "dataset.y_key": ("dataset.name", ("npz",)),
+    "dataset.skip_bad_files": ("dataset.name", ("image_folder",)),
+    "dataset.features": ("dataset.name", ("tfrecord",)),
+    "dataset.input_key": ("dataset.name", ("tfrecord",)),
+    "dataset.label_key": ("dataset.name", ("tfrecord",)),
+    "optimizer.momentum": ("optimizer.name", ("momentum",)),
+    "optimizer.decay_rate": ("optimizer.schedule", ("exponential",)),
+    "optimizer.decay_updates": ("optimizer.schedule", ("cosine", "exponential")),
+    "optimizer.base_batch_size": ("optimizer.lr_scaling", ("linear", "sqrt")),
+    "optimizer.clip_factor": ("optimizer.use_agc", (True,)),
+    "strategy.logical_cpus": ("strategy.name", ("mirrored",)),
+    "strategy.devices": ("strategy.name", ("mirrored", "one_device")),
+    "strategy.tpu": ("strategy.name", ("tpu",)),
+    "strategy.cluster": ("strategy.name", ("multi_worker",)),
+    "strategy.port": ("strategy.cluster", ("slurm",)),
+}
+
+
+def _refuse_inert_keys(cfg, given):
+    """ConfigError for a key given on the command line that this run's choices do not read."""
+    from omegaconf import OmegaConf
+
+    for key in sorted(set(given) & set(_READ_ONLY_BY)):
+        decider, readers = _READ_ONLY_BY[key]
+        choice = OmegaConf.select(cfg, decider)
+        choice = getattr(choice, "value", choice)
+        if choice in readers or (decider == "model.name" and cfg.model.factory):
+            continue
+        # A group's name is chosen as the group (dataset=shapes), other deciders as keys.
+        typed = decider.removesuffix(".name")
+        shown = " or ".join(f"{typed}={str(reader).lower()}" for reader in readers)
+        raise ConfigError(
+            f"{key} is read only with {shown}, and this run has {typed}="
+            f"{str(choice).lower()}, so setting it would change nothing. Drop it, or choose "
+            f"what reads it (e.g. {shown.split(' or ')[0]})."
         )

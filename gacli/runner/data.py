@@ -120,6 +120,11 @@ def _from_arrays(arrays, cfg, seed, task, num_outputs=None, source=None):
             "sample."
         )
     num_outputs = _check_arrays(x, y, cfg, source, task, num_outputs)
+    if len(x) == 0:
+        raise ConfigError(
+            f"{source} holds no samples, so there is nothing to train on; point dataset.path at "
+            "data that holds samples."
+        )
     train_rows, validation_rows = _split_order(len(x), cfg.validation_split, seed)
     if len(train_rows) == 0:
         raise ConfigError(
@@ -218,10 +223,16 @@ def _read_npz(path, cfg):
         f"{cfg.y_key}=targets) from numeric arrays"
     )
     try:
+        with open(path, "rb") as handle:
+            start = handle.read(6)
         arrays = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+        # A .npz is a zip archive ("PK"), a .npy starts with "\x93NUMPY", a pickle with 0x80;
+        # anything else (a text or CSV file) is not numpy's at all, whatever numpy then says.
+        known = start.startswith((b"PK", b"\x93NUMPY", b"\x80"))
+        reason = _reason(error) if known else f"it is not a numpy file: it begins {start!r}"
         raise ConfigError(
-            f"dataset.path={cfg.path} is not a readable .npz file ({_reason(error)}); {advice}."
+            f"dataset.path={cfg.path} is not a readable .npz file ({reason}); {advice}."
         ) from None
     if not isinstance(arrays, np.lib.npyio.NpzFile):
         raise ConfigError(
@@ -425,9 +436,12 @@ def _scan_tfrecord(file, spec, cfg):
     """(records, labels) of one TFRecord file, read once in batches; ConfigError naming the file
     (and the record, when one does not parse) for damage, bad features or non-finite inputs."""
     batches = tf.data.TFRecordDataset(file).batch(1024)
-    count, labels = 0, []
+    count, labels, stored = 0, [], 0
     try:
         for records in batches:
+            # Each record is stored as its length (8 bytes), a checksum (4), the data and a
+            # checksum (4): a file cut inside a record's header reads as a clean end.
+            stored += int(tf.reduce_sum(tf.strings.length(records))) + 16 * len(records)
             examples = tf.io.parse_example(records, spec)
             inputs = examples[cfg.input_key]
             if inputs.dtype.is_floating:
@@ -443,9 +457,10 @@ def _scan_tfrecord(file, spec, cfg):
             labels.append(examples[cfg.label_key].numpy())
             count += len(records)
     except tf.errors.DataLossError as error:
+        reason = _reason(error).rsplit("}} ", 1)[-1].split("'", 1)[0].strip()
         raise ConfigError(
-            f"{file} is damaged after its first {count} records ({_reason(error)}); rewrite it, "
-            "or leave it out of dataset.path."
+            f"{file} is damaged after its first {_whole_records(file)} records ({reason}); "
+            "rewrite it, or leave it out of dataset.path."
         ) from None
     except tf.errors.InvalidArgumentError as error:
         raise ConfigError(
@@ -453,7 +468,24 @@ def _scan_tfrecord(file, spec, cfg):
             f"dataset.features ({_reason(error).rsplit('}} ', 1)[-1].strip()}); describe its "
             "features as they are stored (shape and dtype of each)."
         ) from None
+    if stored != os.path.getsize(file):
+        raise ConfigError(
+            f"{file} is damaged after its first {count} records: {os.path.getsize(file) - stored} "
+            "bytes at its end are not a whole record (the file was cut short, e.g. by a copy that "
+            "did not finish); rewrite it, or leave it out of dataset.path."
+        )
     return count, np.concatenate(labels) if labels else np.zeros(0, "int64")
+
+
+def _whole_records(file):
+    """How many records of a damaged TFRecord file read before the damage."""
+    count = 0
+    try:
+        for _ in tf.data.TFRecordDataset(file):
+            count += 1
+    except tf.errors.DataLossError:
+        pass
+    return count
 
 
 def _first_unparsable(file, spec, start):

@@ -28,10 +28,28 @@ def _split_cpu(count):
             ) from None
 
 
+def _check_devices(devices):
+    """ConfigError for an asked-for device this machine does not have: TensorFlow would put the
+    work on the CPU without a word (one_device) or wait for ever (mirrored)."""
+
+    def short(name):  # /job:localhost/replica:0/task:0/device:GPU:0 -> /gpu:0
+        return "/" + name.lower().rsplit("/", 1)[-1].removeprefix("device:")
+
+    known = sorted({short(device.name) for device in tf.config.list_logical_devices()})
+    for device in devices:
+        if short(device) not in known:
+            raise ConfigError(
+                f"strategy.devices names {device}, which this machine does not have; it has "
+                f"{', '.join(known)}. Name those (e.g. strategy.devices=[{known[-1]}]), or "
+                "leave strategy.devices empty for all of them."
+            )
+
+
 def make_strategy(cfg):
     """The ``tf.distribute.Strategy`` named by ``cfg`` (a StrategyConfig)."""
     if cfg.logical_cpus:
         _split_cpu(cfg.logical_cpus)
+    _check_devices(cfg.devices)
     if cfg.name == StrategyName.default:
         return tf.distribute.get_strategy()
     if cfg.name == StrategyName.one_device:
@@ -66,9 +84,16 @@ def make_strategy(cfg):
             raise ConfigError(f"TF_CONFIG is not valid JSON: {config!r}.") from None
         return tf.distribute.MultiWorkerMirroredStrategy()
     # TPU: the resolver finds the TPU from strategy.tpu or the environment (e.g. TPU_NAME).
-    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=cfg.tpu or None)
-    tf.config.experimental_connect_to_cluster(resolver)
-    tf.tpu.experimental.initialize_tpu_system(resolver)
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=cfg.tpu or None)
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, tf.errors.OpError) as error:
+        raise ConfigError(
+            f"strategy=tpu found no TPU ({str(error).splitlines()[0]}). Run on a TPU VM, or give "
+            "its name or address, e.g. strategy.tpu=my-tpu or strategy.tpu=grpc://10.0.0.2:8470; "
+            "elsewhere use strategy=default or strategy=mirrored."
+        ) from None
     return tf.distribute.TPUStrategy(resolver)
 
 

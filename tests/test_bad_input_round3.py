@@ -1,0 +1,174 @@
+"""Bad input, third pass, as a hostile user tries it: every numeric key's range, keys that the
+run's choices do not read, devices that are not there, damaged and empty data files, and other
+people's files in the run directory. Each ends with one paragraph and exit code 2 before
+training, no traceback, nothing of the user's touched."""
+
+import glob
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from helpers import ga_train, start_ga_train
+
+RANGES = [
+    ("seed=-1", "seed=-1 must be >= 0 and <= 4294967295"),
+    ("optimizer.base_batch_size=0", "optimizer.base_batch_size=0 must be >= 1"),
+    ("model.dropout=1.0", "model.dropout=1.0 must be >= 0.0 and < 1.0"),
+    ("optimizer.momentum=-0.1", "optimizer.momentum=-0.1 must be >= 0.0 and <= 1.0"),
+    ("optimizer.clipnorm=0", "optimizer.clipnorm=0.0 must be > 0.0"),
+    ("optimizer.warmup_updates=-5", "optimizer.warmup_updates=-5 must be >= 0"),
+    ("optimizer.weight_decay=-1", "optimizer.weight_decay=-1.0 must be >= 0.0"),
+    ("dataset.num_classes=-1", "dataset.num_classes=-1 must be >= 0"),
+    ("model.hidden_units=[64,0]", "model.hidden_units=[64, 0] and model.filters=[16, 32]"),
+    ("dataset.channels=2", "dataset.channels=2 must be 1 (grey) or 3 (colour)"),
+]
+INERT = [
+    (("dataset.image_size=16",), "dataset.image_size is read only with dataset=shapes or"),
+    (("optimizer.momentum=0.5",), "optimizer.momentum is read only with optimizer=momentum"),
+    (("optimizer.clip_factor=0.02",), "optimizer.clip_factor is read only with optimizer.use_agc"),
+    (("model.filters=[8]",), "model.filters is read only with model=cnn"),
+    (("strategy.logical_cpus=2",), "strategy.logical_cpus is read only with strategy=mirrored"),
+    (("strategy.port=29500",), "strategy.port is read only with strategy.cluster=slurm"),
+    (("optimizer.decay_rate=0.9",), "optimizer.decay_rate is read only with"),
+    (("dataset=shapes", "dataset.x_key=images"), "dataset.x_key is read only with dataset=npz"),
+]
+
+
+def first_error_line(output):
+    lines = [line for line in output.splitlines() if line.startswith("ga-train:")]
+    return lines[0] if lines else output
+
+
+@pytest.mark.parametrize("argument, expected", RANGES, ids=[a for a, _ in RANGES])
+def test_every_numeric_key_is_checked_against_its_range(tmp_path, argument, expected):
+    code, output = ga_train(argument, cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert first_error_line(output).startswith(f"ga-train: {expected}"), output
+    assert ", e.g. " in first_error_line(output)
+
+
+@pytest.mark.parametrize("arguments, expected", INERT, ids=[a[-1] for a, _ in INERT])
+def test_a_key_the_run_does_not_read_is_refused(tmp_path, arguments, expected):
+    code, output = ga_train(*arguments, cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert first_error_line(output).startswith(f"ga-train: {expected}"), output
+    assert "would change nothing" in output
+    assert not glob.glob(str(tmp_path / "outputs" / "*" / "*")), "the run's directory is removed"
+
+
+@pytest.mark.parametrize(
+    "arguments, expected",
+    [
+        (
+            ("strategy=one_device", "strategy.devices=[/gpu:0]"),
+            "ga-train: strategy.devices names /gpu:0, which this machine does not have; it has "
+            "/cpu:0",
+        ),
+        (  # this one used to hang, deaf to SIGTERM
+            ("strategy=mirrored", "strategy.devices=[/gpu:0,/gpu:1]"),
+            "ga-train: strategy.devices names /gpu:0",
+        ),
+        (("strategy=tpu",), "ga-train: strategy=tpu found no TPU"),
+    ],
+)
+def test_a_device_that_is_not_there_is_named(tmp_path, arguments, expected):
+    code, output = ga_train(*arguments, "epochs=1", cwd=tmp_path, timeout=180)
+    assert code == 2 and "Traceback" not in output, output
+    assert first_error_line(output).startswith(expected), output
+    assert not glob.glob(str(tmp_path / "outputs" / "*" / "*")), "the run's directory is removed"
+
+
+def test_npz_that_is_text_or_empty(tmp_path):
+    (tmp_path / "text.npz").write_text("x,y\n1,2\n")
+    np.savez(tmp_path / "empty.npz", x=np.zeros((0, 8), "float32"), y=np.zeros(0, "int32"))
+    code, output = ga_train("dataset=npz", "dataset.path=text.npz", cwd=tmp_path)
+    assert code == 2 and "it is not a numpy file: it begins b'x,y\\n1,'" in output, output
+    assert "pickled" not in output
+    code, output = ga_train("dataset=npz", "dataset.path=empty.npz", cwd=tmp_path)
+    assert code == 2 and "empty.npz holds no samples" in output, output
+    assert "validation_split" not in output
+
+
+TFRECORD_FEATURES = (
+    "dataset.features={image:{shape:[4,4,1],dtype:float32},label:{shape:[],dtype:int64}}"
+)
+
+
+@pytest.mark.parametrize(
+    "cut, expected",
+    [
+        (3, "is damaged after its first 100 records: 3 bytes at its end are not a whole record"),
+        (13, "is damaged after its first 100 records (truncated record at"),
+        (0, None),  # a clean end at a record: nothing tells it from a shorter file
+    ],
+)
+def test_a_tfrecord_file_cut_short_is_refused(tmp_path, cut, expected):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "train.tfrecord"
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for index in range(200):
+            feature = {
+                "image": tf.train.Feature(float_list=tf.train.FloatList(value=rng.normal(size=16))),
+                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[index % 3])),
+            }
+            example = tf.train.Example(features=tf.train.Features(feature=feature))
+            writer.write(example.SerializeToString())
+    data = path.read_bytes()
+    record = len(data) // 200
+    path.write_bytes(data[: 100 * record + cut])
+    code, output = ga_train(
+        "dataset=tfrecord", "dataset.path=train.tfrecord", TFRECORD_FEATURES, "epochs=1",
+        "progress=none", "accum_steps=2", cwd=tmp_path,
+    )  # fmt: skip
+    if expected is None:
+        assert code == 0 and "90 train / 10 val samples" in output, output
+        return
+    assert code == 2 and "Traceback" not in output, output
+    assert f"train.tfrecord {expected}" in output, output
+
+
+def test_a_folder_of_the_users_is_never_written_into(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "model.keras").write_text("the user's own model")
+    code, output = ga_train("hydra.run.dir=mine", "epochs=1", cwd=tmp_path)
+    assert code == 2 and "already holds files that ga-train did not write (model.keras)" in (
+        output
+    ), output
+    assert os.listdir(tmp_path / "mine") == ["model.keras"]
+    assert (tmp_path / "mine" / "model.keras").read_text() == "the user's own model"
+    (tmp_path / "empty").mkdir()
+    code, output = ga_train("hydra.run.dir=empty", "epochs=1", "progress=none", cwd=tmp_path)
+    assert code == 0, output  # an empty folder is fine
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_is_not_mixed_with_another(tmp_path):
+    first = ("hydra.run.dir=run", "epochs=3", "progress=plain", "micro_batch_size=8")
+    process = start_ga_train(*first, cwd=tmp_path)
+    deadline = time.time() + 120
+    while not glob.glob(str(tmp_path / "run" / "tensorboard" / "events.*")):
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not glob.glob(str(tmp_path / "run" / "checkpoints" / "ckpt-*"))
+    old_events = glob.glob(str(tmp_path / "run" / "tensorboard" / "events.*"))
+    code, output = ga_train("hydra.run.dir=run", "epochs=1", cwd=tmp_path)
+    assert code == 2 and "holds an earlier run of another command" in output, output
+    assert glob.glob(str(tmp_path / "run" / "tensorboard" / "events.*")) == old_events
+    code, output = ga_train(*first[:2], "progress=none", first[3], cwd=tmp_path)
+    assert code == 0, output  # the same command (progress may change) starts again, clean
+    events = glob.glob(str(tmp_path / "run" / "tensorboard" / "events.*"))
+    assert len(events) == 1 and events != old_events
+
+
+@pytest.mark.slow
+def test_micro_batch_size_auto_on_the_default_job_fits_the_training_set(tmp_path):
+    code, output = ga_train("micro_batch_size=auto", "epochs=1", "progress=none", cwd=tmp_path)
+    assert code == 0, output[-3000:]
+    assert "effective batch  1436 = micro_batch_size 359 x accum_steps 4" in output, output

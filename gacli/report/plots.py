@@ -9,8 +9,8 @@
 Run ``i`` of the report has colour ``C<i>`` of matplotlib's cycle in every plot. Each PNG carries
 its lines' labels by axes in a ``gacli-lines`` text chunk (JSON), so that what a plot shows can be
 checked without reading pixels, and the notes under its titles in ``gacli-notes``; the chunk also
-marks the file as ga-report's (:func:`gacli.report.cli.written_by_report`). When the runs shared one
-process (a ``-m`` sweep's basic launcher), the memory panel says that later runs include earlier
+marks the file as ga-report's (:func:`gacli.report.files.written_by_report`). When the runs shared
+one process (a ``-m`` sweep's basic launcher), the memory panel says that later runs include earlier
 runs' memory: their peaks grow from run to run whatever the setting. Figures are drawn with the
 object API and the Agg canvas: no pyplot, no change to a caller's matplotlib backend.
 """
@@ -19,7 +19,7 @@ import json
 import os
 import textwrap
 
-from gacli.report.cli import write_atomically
+from gacli.report.files import write_atomically
 from gacli.report.sweep import lower_is_better, samples_at_steps
 
 _MIB = 2**20

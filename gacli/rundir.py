@@ -240,7 +240,17 @@ def check_ours(run_dir):
     """ConfigError when ``run_dir`` holds files that no ga-train run wrote (a run's directory holds
     its lock file from the first moment): ga-train never writes among a user's own files."""
     names = sorted(name for name in os.listdir(run_dir) if not name.startswith(".writing-"))
-    if names and LOCK_FILE not in names:
+    # A run from before runs held a lock file holds only names a run writes (a model.keras alone
+    # is a user's file: a run writes it last, beside its result).
+    ours = _BEFORE_TRAINING | {FAILURE_FILE, RESULT_FILE, BATCH_PLAN_FILE}
+    if (
+        LOCK_FILE in names
+        or set(names) <= ours
+        or RESULT_FILE in names
+        and (set(names) <= ours | {"model.keras"})
+    ):
+        return
+    if names:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise ConfigError(
             f"hydra.run.dir={run_dir} already holds files that ga-train did not write ({shown}); "

@@ -295,6 +295,8 @@ def test_a_second_run_on_a_held_directory_is_refused(tmp_path):
 
 
 def test_bad_input_never_removes_a_directory_that_holds_something_else(tmp_path):
+    # A folder of the user's is now refused as a run directory before anything else is checked
+    # (test_bad_input_round3.py), so the bad data path is never reached; the folder stays whole.
     existing = tmp_path / "mine"
     existing.mkdir()
     (existing / "notes.txt").write_text("the user's own file")
@@ -304,7 +306,8 @@ def test_bad_input_never_removes_a_directory_that_holds_something_else(tmp_path)
         f"hydra.run.dir={existing}",
         cwd=tmp_path,
     )
-    assert code == 2 and "does not exist" in output, output
+    assert code == 2 and "already holds files that ga-train did not write (notes.txt)" in output
+    assert os.listdir(existing) == ["notes.txt"]
     assert (existing / "notes.txt").read_text() == "the user's own file"
 
 

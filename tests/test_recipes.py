@@ -2,7 +2,9 @@
 
 Each row is a command a user copies from a recipe's header and the final metric the header
 promises; the test runs that command (nothing shortened) and reads ``result.json``. The runs are
-seeded and deterministic on one machine; the margin covers another CPU's floating-point order.
+seeded and deterministic on one machine; the margin covers another CPU's floating-point order
+(the UNet's val IoU after 10 epochs moved from 0.951 to 0.966 on a CPU whose oneDNN kernels take
+another path, and to 0.937 with oneDNN off: its margin is 0.02).
 """
 
 import json
@@ -15,8 +17,8 @@ from helpers import ga_train, run_dir_of, shipped
 
 # (the arguments after ga-train, the result.json key, the header's words for it, value, margin)
 PROMISES = [
-    (("config=unet.yaml",), "val_iou", "val IoU", 0.951, 0.01),
-    (("config=unet.yaml", "accum_steps=8"), "val_iou", "val IoU", 0.934, 0.01),
+    (("config=unet.yaml",), "val_iou", "val IoU", 0.95, 0.02),
+    (("config=unet.yaml", "accum_steps=8"), "val_iou", "val IoU", 0.93, 0.02),
     (("config=digits_cnn.yaml",), "val_accuracy", "val accuracy", 0.981, 0.01),
     (("config=digits_resnet_mirrored.yaml",), "val_accuracy", "val accuracy", 0.997, 0.01),
 ]

@@ -305,7 +305,7 @@ def _check_run_dirs(options, assignments, launch):
     chief = rundir.is_chief()  # other workers of a cluster share the chief's directory
     if os.path.isdir(run_dir):
         launch.kept_dir = run_dir
-        if chief:
+        if chief and not resume:
             rundir.check_ours(run_dir)  # before the lock file is made
     rundir.check_writable(rundir.nearest_existing(run_dir), "the run directory's parent,")
     if chief:

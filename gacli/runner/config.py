@@ -387,11 +387,9 @@ class AutoPlan:
     replicas: int
 
     def candidates(self, largest):
-        """Every micro-batch size the arithmetic allows, up to ``largest`` (the training samples
-        per replica), smallest first. With ``accum_steps`` kept, no size makes the effective batch
-        larger than the training set."""
+        """Every micro-batch size the arithmetic allows, up to ``largest``, smallest first."""
         if self.effective_batch_size is None:
-            return list(range(1, max(1, largest // (self.accum_steps or 1)) + 1))
+            return list(range(1, largest + 1))
         per_replica = self.effective_batch_size // self.replicas
         return [size for size in range(1, min(largest, per_replica) + 1) if per_replica % size == 0]
 

@@ -32,6 +32,9 @@ def _check_devices(devices):
     """ConfigError for an asked-for device this machine does not have: TensorFlow would put the
     work on the CPU without a word (one_device) or wait for ever (mirrored)."""
 
+    if not devices:
+        return  # and TensorFlow's devices stay unlisted: a multi-worker cluster starts later
+
     def short(name):  # /job:localhost/replica:0/task:0/device:GPU:0 -> /gpu:0
         return "/" + name.lower().rsplit("/", 1)[-1].removeprefix("device:")
 

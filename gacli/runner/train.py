@@ -784,6 +784,8 @@ def settle_plan(cfg, plan, data, strategy, run_dir):
     if not isinstance(plan, AutoPlan):
         return plan, {}
     largest = data.train_size // plan.replicas
+    if plan.effective_batch_size is None:  # accum_steps kept: the effective batch follows
+        largest //= plan.accum_steps  # and stays within the training set
     if cfg.auto_batch.max_micro_batch_size:
         largest = min(largest, cfg.auto_batch.max_micro_batch_size)
     candidates = plan.candidates(max(1, largest))

@@ -70,6 +70,7 @@ from gacli.runner.runstate import (
     micro_batch_stream,
     scratch_or,
 )
+from gacli.runner.skip_budget import SkipBudget
 from gacli.runner.strategy import is_multi_worker, make_strategy
 from gacli.runner.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
 
@@ -254,6 +255,9 @@ class Run:
         window_start = None
         if cfg.oom == OutOfMemory.recover:
             window_start = WindowStart(accumulator, lambda: (checkpoint.epoch, checkpoint.done))
+        skip_budget = None
+        if accumulator.nonfinite is not NonFinite.stop:
+            skip_budget = SkipBudget(accumulator, plan.replicas, cfg.precision.max_skipped_fraction)
         self.callbacks = RunCallbacks(
             clock,
             progress,
@@ -262,6 +266,7 @@ class Run:
             precise_batchnorm,
             window_start,
             self.job.fault,
+            skip_budget,
         )
 
     @property
@@ -548,6 +553,7 @@ class RunCallbacks:
     precise_batchnorm: object = None  # batchnorm=precise
     window_start: WindowStart | None = None  # oom=recover
     fault: object = None  # GACLI_FAKE_OOM_ABOVE's (gacli.runner.faults)
+    skip_budget: SkipBudget | None = None  # a non-finite policy that skips
 
     @functools.cached_property
     def in_order(self):
@@ -555,9 +561,16 @@ class RunCallbacks:
         neither logged nor saved; the model wrappers' fit() would add them too, a plain model's
         would not); then the clock before the readers of its time; the precise batch-norm
         statistics after the callbacks that close an epoch's window, so that they see its last
-        update; the checkpoint; the window start and the fault last."""
+        update; the skip budget, which fails a run before its epoch is saved; the checkpoint;
+        the window start and the fault last."""
         reporting = [self.clock, *self.reporters()]
-        later = (self.precise_batchnorm, self.checkpoint, self.window_start, self.fault)
+        later = (
+            self.precise_batchnorm,
+            self.skip_budget,
+            self.checkpoint,
+            self.window_start,
+            self.fault,
+        )
         accumulator = self.clock.accumulator
         return accumulation_callbacks(accumulator, reporting) + [c for c in later if c is not None]
 

@@ -9,6 +9,7 @@ result. The functions around it take what they use, and can be run one by one.
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import logging
@@ -154,9 +155,13 @@ class Run:
             try:
                 self.restore()
                 self.fit()
+                return self.save_results()
+            except (OSError, tf.errors.OpError) as error:
+                if not disk_full(error):
+                    raise
+                raise TrainingFailed(disk_full_message(self.run_dir, error)) from None
             finally:
                 self.close()
-            return self.save_results()
 
     def check_run_dir(self):
         """Refuse an unusable run directory before anything is built."""
@@ -338,6 +343,8 @@ class Run:
                     self.history = self._fit_from_position()
                     return
                 except tf.errors.ResourceExhaustedError as error:
+                    if disk_full(error):  # TensorFlow reports a full disk as exhausted too
+                        raise
                     self._recover(error)
 
     def _fit_from_position(self):
@@ -508,7 +515,12 @@ class Run:
             # Every worker saves (reading the accumulators is a collective); only the chief keeps
             # it. Written under another name first: a model.keras that exists is a whole one.
             path = scratch_or(os.path.join(run_dir, ".model-writing.keras"), chief)
-            model.save(path)
+            try:
+                model.save(path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(path)  # a disk that filled up: no half-written model stays
+                raise
             if chief:
                 os.replace(path, os.path.join(run_dir, "model.keras"))
             else:
@@ -540,6 +552,26 @@ class Run:
         summary_table(self.console, rows)
         self.console.print(f"run directory: {run_dir}", soft_wrap=True)
         return final
+
+
+def disk_full(error):
+    """Whether ``error`` (an OSError, or TensorFlow's, which reports ENOSPC as a resource
+    exhausted) is a full disk."""
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOSPC
+    return "No space left on device" in str(error)
+
+
+def disk_full_message(run_dir, error):
+    """Why a run stopped on a full disk, and what to do."""
+    free = shutil.disk_usage(run_dir).free if os.path.isdir(run_dir) else 0
+    return (
+        f"the disk of {run_dir} is full ({free / 2**20:.1f} MiB free; "
+        f"{str(error).splitlines()[0][:160]}). This is disk space, not device memory. Free some "
+        "space on it, then continue with resume="
+        f"{run_dir}: the checkpoints written whole are kept and a half-written one is passed "
+        "over. Or start again with hydra.run.dir on a disk with room."
+    )
 
 
 @dataclasses.dataclass

@@ -174,7 +174,7 @@ class StrategyConfig:
 class MonitorConfig:
     # The gradient noise scale from the micro-batches: TensorBoard's gns/ tags and a line in the
     # run's summary that compares it with the effective batch. Off by default: it cost the MLP
-    # benchmark more than 2% of its speed (README, "How big should my batch be?").
+    # benchmark more than 2% of its speed (docs/guides/batch-size.md).
     gns: bool = False
 
 

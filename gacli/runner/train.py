@@ -75,9 +75,9 @@ from gacli.runner.skip_budget import SkipBudget
 from gacli.runner.strategy import is_multi_worker, make_strategy
 from gacli.runner.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
 
-# ga-train's one default that differs from the library's (README, "Options"): without loss
-# scaling a non-finite gradient stops the run, so that a nan never reaches the weights unnoticed;
-# the library leaves it unchecked there.
+# ga-train's one default that differs from the library's (docs/getting-started.md, "Options"):
+# without loss scaling a non-finite gradient stops the run, so that a nan never reaches the weights
+# unnoticed; the library leaves it unchecked there.
 NONFINITE_WITHOUT_LOSS_SCALING = NonFinite.stop
 
 _KERAS_POLICY = {
@@ -425,9 +425,9 @@ class Run:
 
     def _stop_for_resume(self, smaller, error):
         """Under XLA an out-of-memory error leaves the variables unusable (TensorFlow 2.21 frees
-        their memory when the compiled program fails to allocate: README.md, "Out of memory in
-        the middle of a run"), so the run stops; the smaller plan is recorded for resume=true,
-        which goes on from the last checkpoint."""
+        their memory when the compiled program fails to allocate: docs/guides/batch-size.md, "Out
+        of memory in the middle of a run"), so the run stops; the smaller plan is recorded for
+        resume=true, which goes on from the last checkpoint."""
         plan = self.plan
         saved = self.plan_file.read() or {}
         self.plan_file.write(

@@ -26,11 +26,7 @@ from gacli.engine.accumulate_model import (
     wrap_model,
 )
 from gacli.engine.accumulation import GradientAccumulateOptimizer, find_accumulating_optimizer
-from gacli.engine.batchnorm import (
-    AccumBatchNormalization,
-    accum_batchnorm_layers,
-    apply_batchnorm_policy,
-)
+from gacli.engine.batchnorm import accum_batchnorm_layers, apply_batchnorm_policy
 from gacli.engine.options import BatchNormPolicy, parse_option
 from gacli.engine.settings import AccumulationConfig
 
@@ -154,12 +150,16 @@ class EquivalenceResult:
                 f"{self.max_abs_diff:.3g} (relative {self.max_relative_diff:.3g} <= "
                 f"{self.tolerance:g}, {self.tolerance_source})."
             )
-        layers = sorted({v.layer for v in self.failing})
+        kinds = {}
+        for _, kind in sorted({(v.layer, v.kind) for v in self.failing}):
+            kinds[kind] = kinds.get(kind, 0) + 1
+        where = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+        layers = sum(kinds.values())
         return (
             f"NOT EQUIVALENT: {len(self.failing)} of {len(self.variables)} weights differ from "
             f"the big batch's update by more than {self.tolerance:g} relative "
-            f"({self.tolerance_source}); largest {self.max_abs_diff:.3g}, in layers "
-            f"{', '.join(layers[:6])}{' ...' if len(layers) > 6 else ''}."
+            f"({self.tolerance_source}); largest {self.max_abs_diff:.3g}, in {where} layer"
+            f"{'s' if layers > 1 else ''}."
         )
 
     def to_dict(self):
@@ -196,8 +196,7 @@ class EquivalenceResult:
     def explanation(self):
         """The causes, one paragraph each."""
         return "\n".join(
-            f"- {cause.kind} ({', '.join(cause.layers) or 'the model'}): {cause.why}"
-            for cause in self.causes
+            f"- {cause.kind}{_named(cause.layers)}: {cause.why}" for cause in self.causes
         )
 
     def __str__(self):
@@ -205,6 +204,13 @@ class EquivalenceResult:
         if self.causes:
             parts += ["", "Why:", self.explanation()]
         return "\n".join(parts)
+
+
+def _named(layers, shown=6):
+    if not layers:
+        return ""
+    more = f" and {len(layers) - shown} more" if len(layers) > shown else ""
+    return f" ({', '.join(layers[:shown])}{more})"
 
 
 def check_equivalence(model, x=None, y=None, **settings):
@@ -454,26 +460,40 @@ class EquivalenceCheck:
         )
 
 
+_EXACT_BATCHNORM = (
+    "batchnorm=freeze (inference mode, for fine-tuning) or batchnorm=group_norm "
+    "(GroupNormalization, no batch statistics) make the update exact."
+)
+
+
 def _batchnorm_cause(layers, policy):
+    """Why batch norm under ``policy`` differs from the big batch, and what each policy changes."""
     names = [layer.name for layer in layers]
-    if any(isinstance(layer, AccumBatchNormalization) for layer in layers):
-        return Cause(
-            "batch normalisation",
-            names,
-            "batchnorm=accumulate makes the moving statistics the big batch's (pooled over the "
-            "window), but the forward pass still normalises each micro-batch by its own mean and "
-            "variance, so the gradients of the layers around it differ. For an exact update use "
-            "batchnorm=freeze (fine-tuning) or batchnorm=group_norm (no batch statistics).",
-        )
-    return Cause(
-        "batch normalisation",
-        names,
-        f"under batchnorm={policy.value} each micro-batch is normalised by its own mean and "
-        "variance, and the moving statistics take a step per micro-batch, not per window. "
-        "batchnorm=accumulate updates the moving statistics once per window from the pooled "
-        "window statistics; batchnorm=freeze (inference mode, for fine-tuning) or "
-        "batchnorm=group_norm (GroupNormalization, no batch statistics) make the update exact.",
+    per_micro_batch = (
+        "in training each micro-batch is normalised by its own mean and variance, not the "
+        "window's, so the gradients of these layers and of the layers around them differ from "
+        "the big batch's."
     )
+    if policy is BatchNormPolicy.accumulate:
+        why = (
+            "batchnorm=accumulate takes one step of the moving statistics per window, from the "
+            f"statistics pooled over its micro-batches, as the big batch does; but "
+            f"{per_micro_batch} " + _EXACT_BATCHNORM
+        )
+    elif policy is BatchNormPolicy.precise:
+        why = (
+            f"{per_micro_batch[0].upper()}{per_micro_batch[1:]} The moving statistics differ too, "
+            "but batchnorm=precise recomputes them from the training data before each validation "
+            "and at the end, so those differences never reach the trained model. "
+            + _EXACT_BATCHNORM
+        )
+    else:
+        why = (
+            f"under batchnorm={policy.value} {per_micro_batch} The moving statistics also take a "
+            "step per micro-batch, not per window: batchnorm=accumulate makes those the big "
+            "batch's, batchnorm=precise recomputes them before validation. " + _EXACT_BATCHNORM
+        )
+    return Cause("batch normalisation", names, why)
 
 
 def _has_custom_train_step(model):

@@ -316,13 +316,17 @@ class EquivalenceCheck:
         return model
 
     def _reference(self, start, neutralise):
+        """Plain Keras' update over the window as one batch, on one device."""
         with tf.distribute.OneDeviceStrategy(_first_device()).scope():
             model = self._prepare(start, neutralise, gacli_side=False)
             optimizer = _copy_optimizer(self.optimizer)
             model.compile(optimizer=optimizer, loss=self.loss, jit_compile=False)
             optimizer.build(model.trainable_variables)
             start.put_optimizer_state(optimizer)
-        model.train_on_batch(self.x, self.y)
+        if any(isinstance(layer, keras.layers.Embedding) for layer in compat.sublayers(model)):
+            _dense_gradient_step(model, self.x, self.y)
+        else:
+            model.train_on_batch(self.x, self.y)
         return model
 
     def _accumulated(self, start, neutralise):
@@ -437,13 +441,15 @@ class EquivalenceCheck:
         model = _clone(self.base)
         _Start.of(self.base, None).put_weights(model)
         loss = keras.losses.get(self.loss) if isinstance(self.loss, str) else self.loss
-        whole = float(loss(self.y, model(self.x, training=False)))
+        whole = float(np.mean(loss(self.y, model(self.x, training=False))))
         size = self.global_micro_batch_size
         weighted = 0.0
         for first in range(0, self.samples, size):
             part = slice(first, min(first + size, self.samples))
             count = part.stop - part.start
-            weighted += count * float(loss(self.y[part], model(self.x[part], training=False)))
+            weighted += count * float(
+                np.mean(loss(self.y[part], model(self.x[part], training=False)))
+            )
         weighted /= self.samples
         gap = abs(whole - weighted) / max(abs(whole), 1e-12)
         if gap <= self.tolerance:
@@ -464,6 +470,22 @@ _EXACT_BATCHNORM = (
     "batchnorm=freeze (inference mode, for fine-tuning) or batchnorm=group_norm "
     "(GroupNormalization, no batch statistics) make the update exact."
 )
+
+
+def _dense_gradient_step(model, x, y):
+    """One big-batch step with every gradient dense. An embedding's gradient is a
+    tf.IndexedSlices with a row per occurrence, and Keras' sparse Adam path squares each
+    occurrence apart, which is not the gradient of any loss; the reference is the big batch with
+    each row's occurrences summed, which is the dense gradient (docs/contract.md, E5)."""
+    variables = model.trainable_variables
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x=x, y=y, y_pred=y_pred)
+    gradients = [
+        tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+        for g in tape.gradient(loss, variables)
+    ]
+    model.optimizer.apply(gradients, variables)
 
 
 def _batchnorm_cause(layers, policy):

@@ -72,6 +72,7 @@ def run_equivalence_check(cfg, run_dir, given=()):
     if is_chief():
         write_json(os.path.join(run_dir, EQUIVALENCE_FILE), record)
     print(str(result), flush=True)
+    run.console.print(f"run directory: {run_dir}", soft_wrap=True)
     if not result.passed:
         raise NotEquivalent(
             f"{result.verdict()} The figures are in {os.path.join(run_dir, EQUIVALENCE_FILE)}."

@@ -84,7 +84,8 @@ class EquivalenceSettings:
 @dataclasses.dataclass
 class VariableDifference:
     """One weight after the two updates: its largest absolute difference, that divided by the
-    larger of 1 and the reference's largest magnitude (``relative_diff``), and the verdict."""
+    larger of 1 and the reference's largest magnitude (``relative_diff``), the same for the
+    window's gradient (``gradient_diff``, when the optimizer is not SGD) and the verdict."""
 
     name: str
     layer: str
@@ -92,6 +93,7 @@ class VariableDifference:
     max_abs_diff: float
     relative_diff: float
     passed: bool
+    gradient_diff: float = None  # relative difference of the window's gradient (not for SGD)
 
 
 @dataclasses.dataclass
@@ -155,18 +157,28 @@ class EquivalenceResult:
             kinds[kind] = kinds.get(kind, 0) + 1
         where = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
         layers = sum(kinds.values())
+        gradient = ""
+        if self.max_gradient_diff is not None:
+            gradient = f", the window's gradient by {self.max_gradient_diff:.3g} relative"
         return (
             f"NOT EQUIVALENT: {len(self.failing)} of {len(self.variables)} weights differ from "
-            f"the big batch's update by more than {self.tolerance:g} relative "
-            f"({self.tolerance_source}); largest {self.max_abs_diff:.3g}, in {where} layer"
-            f"{'s' if layers > 1 else ''}."
+            f"the big batch's by more than {self.tolerance:g} relative "
+            f"({self.tolerance_source}); the update by up to {self.max_abs_diff:.3g}{gradient}; "
+            f"in {where} layer{'s' if layers > 1 else ''}."
         )
+
+    @property
+    def max_gradient_diff(self):
+        """The largest relative difference of the window's gradient (None: not compared, SGD)."""
+        found = [v.gradient_diff for v in self.variables if v.gradient_diff is not None]
+        return max(found) if found else None
 
     def to_dict(self):
         return {
             "passed": self.passed,
             "max_abs_diff": self.max_abs_diff,
             "max_relative_diff": self.max_relative_diff,
+            "max_gradient_diff": self.max_gradient_diff,
             "tolerance": self.tolerance,
             "tolerance_source": self.tolerance_source,
             "window": self.window,
@@ -177,13 +189,16 @@ class EquivalenceResult:
 
     def table(self):
         """The per-weight table, as text."""
-        header = ("variable", "layer", "max abs diff", "relative", "verdict")
+        gradients = any(v.gradient_diff is not None for v in self.variables)
+        header = ("variable", "layer", "max abs diff", "relative")
+        header += ("gradient", "verdict") if gradients else ("verdict",)
         rows = [
             (
                 v.name,
                 f"{v.layer} ({v.kind})",
                 f"{v.max_abs_diff:.3g}",
                 f"{v.relative_diff:.3g}",
+                *((f"{v.gradient_diff:.3g}",) if gradients else ()),
                 "ok" if v.passed else "DIFFERS",
             )
             for v in self.variables
@@ -276,9 +291,17 @@ class EquivalenceCheck:
 
     def run(self):
         with _random_state_kept():
+            self.base = self._with_model_policy(self.base)
             start = _Start.of(self.base, self.optimizer)
-            reference, trained = self._two_updates(start, neutralise=False)
+            reference, trained = self._two_updates(start)
             variables = _compare(reference, trained, self.tolerance)
+            if not isinstance(self.optimizer, keras.optimizers.SGD):
+                # Adam's first update keeps little more than each gradient's sign: the window's
+                # gradient itself is compared too, through SGD with learning rate 1.
+                gradients = _compare(*self._two_updates(start, gradient=True), self.tolerance)
+                for variable, gradient in zip(variables, gradients):
+                    variable.gradient_diff = gradient.relative_diff
+                    variable.passed = variable.passed and gradient.passed
             result = EquivalenceResult(
                 passed=all(v.passed for v in variables),
                 max_abs_diff=max((v.max_abs_diff for v in variables), default=0.0),
@@ -298,42 +321,57 @@ class EquivalenceCheck:
                 result.causes = self._causes(start, result, trained)
         return result
 
+    def _with_model_policy(self, model):
+        """``model``, or under batchnorm=freeze or group_norm (which change the model that
+        trains, on both sides) a copy with the policy applied."""
+        if self.batchnorm not in (BatchNormPolicy.freeze, BatchNormPolicy.group_norm):
+            return model
+        copy = _clone(model)
+        _Start.of(model, None).put_weights(copy)
+        return apply_batchnorm_policy(copy, self.batchnorm.value, self.accum_steps, warn=False)
+
     # -- the two updates --------------------------------------------------------------------------
-    def _two_updates(self, start, neutralise):
-        """(reference model, gacli-trained model) after one update each from ``start``."""
-        reference = self._reference(start, neutralise)
-        trained = self._accumulated(start, neutralise)
+    def _two_updates(self, start, neutralise=False, gradient=False):
+        """(reference model, gacli-trained model) after one update each from ``start``;
+        ``gradient``: with SGD at learning rate 1, so that the update is the gradient."""
+        reference = self._reference(start, neutralise, gradient)
+        trained = self._accumulated(start, neutralise, gradient)
         return reference, trained
+
+    def _optimizer_copy(self, start, gradient):
+        if gradient:
+            return keras.optimizers.SGD(learning_rate=1.0), None
+        return _copy_optimizer(self.optimizer), start
 
     def _prepare(self, start, neutralise, gacli_side):
         model = _clone(self.base)
-        policy = self.batchnorm
-        if gacli_side or policy in (BatchNormPolicy.freeze, BatchNormPolicy.group_norm):
-            model = apply_batchnorm_policy(model, policy.value, self.accum_steps, warn=False)
+        if gacli_side and self.batchnorm is BatchNormPolicy.accumulate:
+            model = apply_batchnorm_policy(model, "accumulate", self.accum_steps, warn=False)
         start.put_weights(model)
         if neutralise:
             _neutralise(model)
         return model
 
-    def _reference(self, start, neutralise):
+    def _reference(self, start, neutralise, gradient):
         """Plain Keras' update over the window as one batch, on one device."""
         with tf.distribute.OneDeviceStrategy(_first_device()).scope():
             model = self._prepare(start, neutralise, gacli_side=False)
-            optimizer = _copy_optimizer(self.optimizer)
+            optimizer, state = self._optimizer_copy(start, gradient)
             model.compile(optimizer=optimizer, loss=self.loss, jit_compile=False)
             optimizer.build(model.trainable_variables)
-            start.put_optimizer_state(optimizer)
+            if state is not None:
+                state.put_optimizer_state(optimizer)
         if any(isinstance(layer, keras.layers.Embedding) for layer in compat.sublayers(model)):
             _dense_gradient_step(model, self.x, self.y)
         else:
             model.train_on_batch(self.x, self.y)
         return model
 
-    def _accumulated(self, start, neutralise):
+    def _accumulated(self, start, neutralise, gradient):
         config = AccumulationConfig(accum_steps=self.accum_steps, partial_window="apply")
         with self.strategy.scope():
             model = self._prepare(start, neutralise, gacli_side=True)
-            inner = _copy_optimizer(self.optimizer)
+            inner, state = self._optimizer_copy(start, gradient)
             if self.wrapper == "model":
                 trainer = wrap_model(model, config=config)
                 trainer.compile(optimizer=inner, loss=self.loss, jit_compile=False)
@@ -346,7 +384,8 @@ class EquivalenceCheck:
                 )
             accumulator = find_accumulating_optimizer(trainer.optimizer)
             accumulator.build(trainer.trainable_variables)
-            start.put_optimizer_state(inner)
+            if state is not None:
+                state.put_optimizer_state(inner)
         trainer.fit(
             self.x,
             self.y,

@@ -14,7 +14,7 @@ from importlib import metadata, resources
 
 from gacli import rundir
 from gacli.errors import EXIT_USAGE, ConfigError, Interrupted, ProcessUnusable, TrainingFailed
-from gacli.runner.config import FREE_ON_RESUME, GROUPS
+from gacli.runner.config import FREE_ON_RESUME, GROUPS, check_tolerance_argument
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
 _SWEEP_DIR = "multirun/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -377,6 +377,7 @@ def _check_command_line(argv, launch):
         "--info=all" if a == "--info" else a for a in overrides if a.startswith("-") or "=" not in a
     ]
     check_overrides([a for a in overrides if a not in options and a != "--info"])
+    check_tolerance_argument(overrides)
     from gacli.runner.plugins import check_choices
 
     check_choices(

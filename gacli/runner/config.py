@@ -508,6 +508,22 @@ def validate(cfg, given=()):
         )
 
 
+def check_tolerance_argument(assignments):
+    """ConfigError, before Hydra composes, for a ``check.tolerance=`` that is not a number."""
+    for assignment in assignments:
+        key, _, value = assignment.partition("=")
+        if key.lstrip("+~") != "check.tolerance" or value.strip().lower() in ("null", "none"):
+            continue
+        try:
+            float(value)
+        except ValueError:
+            raise ConfigError(
+                f"{assignment}: check.tolerance takes a positive number (the largest relative "
+                "weight difference that passes), e.g. check.tolerance=1e-5; leave it unset for "
+                "the contract's (1e-6 for SGD, 1e-5 for adaptive optimizers)."
+            ) from None
+
+
 def _validate_check(cfg):
     """``check=equivalence``: a tolerance that is a positive number, and a job it can compare."""
     tolerance = cfg.check.tolerance

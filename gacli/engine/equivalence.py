@@ -147,10 +147,15 @@ class EquivalenceResult:
             f"{f' x {replicas} replicas' if replicas > 1 else ''} ({window.get('samples')} samples)"
         )
         if self.passed:
+            gradient = ""
+            if self.max_gradient_diff is not None:
+                gradient = (
+                    f"; the window's gradient agrees to {self.max_gradient_diff:.3g} relative"
+                )
             return (
                 f"EQUIVALENT: {what} give the big batch's update; largest difference "
                 f"{self.max_abs_diff:.3g} (relative {self.max_relative_diff:.3g} <= "
-                f"{self.tolerance:g}, {self.tolerance_source})."
+                f"{self.tolerance:g}, {self.tolerance_source}){gradient}."
             )
         kinds = {}
         for _, kind in sorted({(v.layer, v.kind) for v in self.failing}):

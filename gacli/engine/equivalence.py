@@ -298,15 +298,7 @@ class EquivalenceCheck:
         with _random_state_kept():
             self.base = self._with_model_policy(self.base)
             start = _Start.of(self.base, self.optimizer)
-            reference, trained = self._two_updates(start)
-            variables = _compare(reference, trained, self.tolerance)
-            if not isinstance(self.optimizer, keras.optimizers.SGD):
-                # Adam's first update keeps little more than each gradient's sign: the window's
-                # gradient itself is compared too, through SGD with learning rate 1.
-                gradients = _compare(*self._two_updates(start, gradient=True), self.tolerance)
-                for variable, gradient in zip(variables, gradients):
-                    variable.gradient_diff = gradient.relative_diff
-                    variable.passed = variable.passed and gradient.passed
+            variables, trained = self._comparison(start)
             result = EquivalenceResult(
                 passed=all(v.passed for v in variables),
                 max_abs_diff=max((v.max_abs_diff for v in variables), default=0.0),
@@ -325,6 +317,21 @@ class EquivalenceCheck:
             if not result.passed and self.settings.explain:
                 result.causes = self._causes(start, result, trained)
         return result
+
+    def _comparison(self, start, neutralise=False):
+        """(a VariableDifference per weight, the gacli-trained model)."""
+        reference, trained = self._two_updates(start, neutralise)
+        variables = _compare(reference, trained, self.tolerance)
+        if not isinstance(self.optimizer, keras.optimizers.SGD):
+            # Adam's first update keeps little more than each gradient's sign: the window's
+            # gradient itself is compared too, through SGD with learning rate 1.
+            gradients = _compare(
+                *self._two_updates(start, neutralise, gradient=True), self.tolerance
+            )
+            for variable, gradient in zip(variables, gradients):
+                variable.gradient_diff = gradient.relative_diff
+                variable.passed = variable.passed and gradient.passed
+        return variables, trained
 
     def _with_model_policy(self, model):
         """``model``, or under batchnorm=freeze or group_norm (which change the model that
@@ -459,8 +466,7 @@ class EquivalenceCheck:
             switched.append("random layers off")
         if batchnorm:
             switched.append("batch norm in inference mode")
-        reference, trained = self._two_updates(start, neutralise=True)
-        variables = _compare(reference, trained, self.tolerance)
+        variables, _ = self._comparison(start, neutralise=True)
         largest = max((v.max_abs_diff for v in variables), default=0.0)
         if all(v.passed for v in variables):
             why = (

@@ -292,3 +292,30 @@ def test_ga_train_check_bad_input_exits_2_with_one_paragraph(tmp_path, arguments
     errors = [line for line in output.splitlines() if line.startswith("ga-train:")]
     assert errors and errors[0].startswith(first_line), output
     assert "Traceback" not in output
+
+
+class PenalisedStep(keras.Model):
+    """A functional model whose own train_step adds a penalty the compiled loss does not have."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            loss += 0.1 * tf.add_n([tf.reduce_sum(w**2) for w in self.trainable_weights])
+        gradients = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply(gradients, self.trainable_weights)
+        return {"loss": loss}
+
+
+def test_q1_a_custom_train_step_is_named():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    model = PenalisedStep(inputs, keras.layers.Dense(1)(keras.layers.Dense(8)(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    result = gacli.check_equivalence(model, X, Y, accum_steps=4, micro_batch_size=16)
+    assert not result.passed
+    assert record(result.max_abs_diff) > 1e-4
+    assert [cause.kind for cause in result.causes] == ["custom train_step"]
+    assert result.causes[0].layers == ["PenalisedStep"]

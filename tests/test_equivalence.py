@@ -34,6 +34,10 @@ def compiled(model, optimizer=None, loss="mse"):
 X, Y = make_data(96)
 
 
+def sgd_momentum():
+    return keras.optimizers.SGD(0.1, momentum=0.9)  # momentum: optimizer state of its own
+
+
 @pytest.mark.exactness
 @pytest.mark.parametrize(
     "optimizer, tolerance",
@@ -101,7 +105,7 @@ def test_q1_passes_on_an_embedding_model_and_a_dataset():
 
 
 def test_q1_dropout_fails_names_it_and_the_rest_is_exact():
-    model = compiled(mlp(lambda h: keras.layers.Dropout(0.3, name="my_dropout")(h)))
+    model = compiled(mlp(lambda h: keras.layers.Dropout(0.3, name="my_dropout")(h)), sgd_momentum())
     result = gacli.check_equivalence(model, X, Y, accum_steps=4, micro_batch_size=16)
     assert not result.passed
     assert record(result.max_abs_diff) > 1e-4
@@ -113,7 +117,9 @@ def test_q1_dropout_fails_names_it_and_the_rest_is_exact():
 
 def test_q1_batch_norm_fails_names_it_and_freeze_is_exact():
     def model():
-        return compiled(mlp(lambda h: keras.layers.BatchNormalization(name="my_bn")(h)))
+        return compiled(
+            mlp(lambda h: keras.layers.BatchNormalization(name="my_bn")(h)), sgd_momentum()
+        )
 
     result = gacli.check_equivalence(model(), X, Y, accum_steps=4, micro_batch_size=16)
     assert not result.passed
@@ -126,7 +132,7 @@ def test_q1_batch_norm_fails_names_it_and_freeze_is_exact():
         model(), X, Y, accum_steps=4, micro_batch_size=16, batchnorm="freeze"
     )
     assert frozen.passed, str(frozen)
-    assert record(frozen.max_abs_diff) <= 1e-5
+    assert record(frozen.max_abs_diff) <= 1e-6
 
 
 @pytest.mark.parametrize("optimizer", [keras.optimizers.SGD, keras.optimizers.Adam])
@@ -159,7 +165,7 @@ def test_q1_a_loss_divided_by_its_own_token_count_fails(optimizer):
 
 
 def test_q1_the_users_model_optimizer_and_random_state_are_unchanged():
-    model = compiled(mlp(lambda h: keras.layers.Dropout(0.3)(h)))
+    model = compiled(mlp(lambda h: keras.layers.Dropout(0.3)(h)), sgd_momentum())
     model.train_on_batch(X[:32], Y[:32])  # optimizer state (moments, iterations) and a used seed
     random.seed(7)
     np.random.seed(7)
@@ -245,19 +251,24 @@ def test_ga_train_check_under_two_replicas_against_the_single_device_big_batch(t
         "strategy=mirrored",
         "strategy.logical_cpus=2",
         "micro_batch_size=16",
+        "optimizer=sgd",
         cwd=tmp_path,
     )
     assert code == 0, output
     saved = _check_output(run_dir_of(output))
     assert saved["passed"] and saved["window"]["replicas"] == 2
     assert saved["window"]["samples"] == 128
-    assert record(saved["max_abs_diff"]) <= 1e-5
+    assert record(saved["max_abs_diff"]) <= 1e-6 and saved["tolerance"] == 1e-6
 
 
 @pytest.mark.slow
 def test_ga_train_check_fails_on_dropout_with_exit_1_and_names_it(tmp_path):
     code, output = ga_train(
-        "check=equivalence", "model.dropout=0.3", "check.tolerance=1e-5", cwd=tmp_path
+        "check=equivalence",
+        "model.dropout=0.3",
+        "optimizer=sgd",
+        "check.tolerance=1e-5",
+        cwd=tmp_path,
     )
     assert code == 1, output
     saved = _check_output(run_dir_of(output))
@@ -276,10 +287,6 @@ def test_ga_train_check_fails_on_dropout_with_exit_1_and_names_it(tmp_path):
         (["check=equivalence", "check.tolerance=nan"], "ga-train: check.tolerance=nan must be"),
         (["check=equivalence", "check.tolerance=small"], "ga-train: check.tolerance=small: check"),
         (["check.tolerance=1e-5"], "ga-train: check.tolerance is read only with check=equivalence"),
-        (
-            ["check=equivalence", "accum_steps=100"],
-            "ga-train: effective_batch_size = 3200 is larger",
-        ),
         (
             ["check=equivalence", "precision=mixed_float16"],
             "ga-train: check=equivalence with precision",

@@ -245,7 +245,8 @@ def check_equivalence(model, x=None, y=None, **settings):
     Args:
         model: a built Keras model: plain, made with ``gacli.wrap_model``, or compiled with a
             ``GradientAccumulateOptimizer``.
-        x, y: arrays, or ``x`` a ``tf.data.Dataset`` of (inputs, targets), batched or not.
+        x: the inputs (an array), or a ``tf.data.Dataset`` of (inputs, targets), batched or not.
+        y: the targets (an array); None with a dataset.
         **settings: :class:`EquivalenceSettings`: ``accum_steps``, ``micro_batch_size``,
             ``optimizer``, ``loss``, ``wrapper``, ``tolerance``, ``strategy``, ``batchnorm``,
             ``window_samples``, ``explain``.
@@ -270,7 +271,9 @@ class EquivalenceCheck:
     """One equivalence check: the model's parts, the window, the two updates and the verdict.
 
     Args:
-        model, x, y: as for :func:`check_equivalence`.
+        model: as for :func:`check_equivalence`.
+        x: as for :func:`check_equivalence`.
+        y: as for :func:`check_equivalence`.
         settings: an :class:`EquivalenceSettings`.
 
     Example:

@@ -125,7 +125,9 @@ def tensorboard_cards(sweep_dir, images):
         return
     port = free_port()
     server = subprocess.Popen(
-        ["tensorboard", "--logdir", str(sweep_dir), "--host", "127.0.0.1", f"--port={port}"],
+        # The logdir relative to where TensorBoard runs: the page shows it, not this machine's path.
+        ["tensorboard", "--logdir", sweep_dir.name, "--host", "127.0.0.1", f"--port={port}"],
+        cwd=sweep_dir.parent,
         env=environment(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -154,6 +154,9 @@ class PrecisionConfig:
     policy: Policy = Policy.fp32
     # None: skip_micro_batch under mixed_float16 (the library's), stop otherwise (ga-train's own)
     nonfinite: Optional[NonFinite] = None
+    # Under a policy that skips: the run fails at an epoch end where more than this share of its
+    # micro-batches (skip_micro_batch) or windows (skip_window) so far was skipped.
+    max_skipped_fraction: float = 0.25
 
 
 class ClusterSource(str, enum.Enum):
@@ -558,6 +561,7 @@ _RANGES = {
     "optimizer.decay_updates": (0, None, True, "optimizer.decay_updates=1000"),
     "optimizer.base_batch_size": (1, None, True, "optimizer.base_batch_size=256"),
     "strategy.port": (1, 65535, True, "strategy.port=29500"),
+    "precision.max_skipped_fraction": (0.0, 1.0, True, "precision.max_skipped_fraction=0.25"),
 }
 
 

@@ -259,7 +259,10 @@ def _reason(error):
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if "allow_pickle" in text or "pickled" in text:
         return "it holds pickled Python objects, which are not loaded for safety"
-    return text[:160]
+    # TensorFlow's messages start with the op's function name and end with its name: the
+    # reason lies between them, and is kept whole up to a length a paragraph can hold.
+    text = text.rsplit("}} ", 1)[-1].split(" [Op:", 1)[0].strip()
+    return text[:400]
 
 
 def image_folder(cfg, seed):
@@ -458,7 +461,7 @@ def _scan_tfrecord(file, spec, cfg):
             labels.append(examples[cfg.label_key].numpy())
             count += len(records)
     except tf.errors.DataLossError as error:
-        reason = _reason(error).rsplit("}} ", 1)[-1].split("'", 1)[0].strip()
+        reason = _reason(error).split("'", 1)[0].strip()
         raise ConfigError(
             f"{file} is damaged after its first {_whole_records(file)} records ({reason}); "
             "rewrite it, or leave it out of dataset.path."
@@ -466,7 +469,7 @@ def _scan_tfrecord(file, spec, cfg):
     except tf.errors.InvalidArgumentError as error:
         raise ConfigError(
             f"{file} record {count + _first_unparsable(file, spec, count)} does not match "
-            f"dataset.features ({_reason(error).rsplit('}} ', 1)[-1].strip()}); describe its "
+            f"dataset.features ({_reason(error)}); describe its "
             "features as they are stored (shape and dtype of each)."
         ) from None
     if stored != os.path.getsize(file):

@@ -265,13 +265,9 @@ def _reason(error):
     return text[:400]
 
 
-def image_folder(cfg, seed):
-    path = _require_path(cfg, "images")
-    if not os.path.isdir(path):
-        raise ConfigError(
-            f"dataset.path={cfg.path} is not a directory; give a folder with one sub-folder of "
-            "images per class, e.g. dataset.path=/data/train."
-        )
+def _class_folders(path, cfg):
+    """The class sub-folders of an image folder, in label order; ConfigError when they cannot be
+    the classes asked for."""
     classes = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
     if len(classes) < 2:
         raise ConfigError(
@@ -285,6 +281,17 @@ def image_folder(cfg, seed):
             "image folder's classes are its sub-folders (a class without one has no sample); "
             f"set dataset.num_classes={len(classes)} or 0 (counted from the folders)."
         )
+    return classes
+
+
+def image_folder(cfg, seed):
+    path = _require_path(cfg, "images")
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"dataset.path={cfg.path} is not a directory; give a folder with one sub-folder of "
+            "images per class, e.g. dataset.path=/data/train."
+        )
+    classes = _class_folders(path, cfg)
     files, labels = [], []
     for label, name in enumerate(classes):
         folder = os.path.join(path, name)

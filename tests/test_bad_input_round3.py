@@ -320,3 +320,12 @@ def test_image_folder_settings_that_cannot_work_are_refused(tmp_path, settings, 
     assert code == 2 and "Traceback" not in output, output
     assert first_error_line(output).startswith(expected), output
     assert not glob.glob(str(tmp_path / "outputs" / "*" / "*")), "the run directory stays"
+
+
+def test_a_sweep_cannot_show_its_config(tmp_path):
+    # Hydra refused the pair with a ValueError and a traceback.
+    code, output = ga_train("-m", "accum_steps=1,2", "--cfg", "job", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert first_error_line(output).startswith(
+        "ga-train: -m cannot be combined with --cfg: Hydra shows the config"
+    ), output

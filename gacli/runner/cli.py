@@ -378,6 +378,13 @@ def _check_command_line(argv, launch):
         "--info=all" if a == "--info" else a for a in overrides if a.startswith("-") or "=" not in a
     ]
     check_overrides([a for a in overrides if a not in options and a != "--info"])
+    shows = [o for o in options if o.startswith(("--cfg", "--info", "-c", "-i", "--shell"))]
+    if shows and any(o in ("-m", "--multirun") for o in options):
+        raise ConfigError(
+            f"-m cannot be combined with {shows[0].split('=')[0]}: Hydra shows the config (or its "
+            "information) of one job, not of a sweep. Drop -m and give one value of each swept "
+            "key, e.g. ga-train accum_steps=4 --cfg job."
+        )
     check_tolerance_argument(overrides)
     from gacli.runner.plugins import check_choices
 

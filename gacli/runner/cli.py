@@ -502,6 +502,10 @@ def _train(cfg, hydra_config, run_dir, launch):
         import tensorflow as tf
 
         tf.config.list_physical_devices()  # CUDA's probe, and its messages, happen here
+    if cfg.probe.name == "batch":
+        from gacli.runner.batch_probe import probe_batch
+
+        return probe_batch(cfg, run_dir, parallel_jobs=_parallel_jobs(hydra_config))
     from gacli.runner.train import train
 
     return train(cfg, run_dir=run_dir, given=given, parallel_jobs=_parallel_jobs(hydra_config))

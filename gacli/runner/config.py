@@ -583,6 +583,22 @@ def _validate_probe(cfg, replicas):
             f"probe.tolerance={tolerance} must be >= 0 (the share of the best val_loss a size may "
             "lose and still count), e.g. probe.tolerance=0.05."
         )
+    _validate_probe_sizes(cfg, sizes, samples, replicas)
+    if not cfg.dataset.validation_split:
+        raise ConfigError(
+            "probe=batch compares the sizes by their val_loss, but dataset.validation_split=0 "
+            "holds no validation data; use e.g. dataset.validation_split=0.1."
+        )
+    if cfg.resume:
+        raise ConfigError(
+            "probe=batch runs its branches from the start and is not resumed; start it again "
+            "without resume=."
+        )
+
+
+def _validate_probe_sizes(cfg, sizes, samples, replicas):
+    """``probe.effective_sizes`` against the micro-batch and ``probe.samples``; ``probe.from``."""
+    whole = lambda value: isinstance(value, int) and not isinstance(value, bool)  # noqa: E731
     micro = cfg.micro_batch_size
     if not whole(micro):
         raise ConfigError(
@@ -608,16 +624,18 @@ def _validate_probe(cfg, replicas):
                 f"size must train on the same samples, in whole updates. Use e.g. probe.samples="
                 f"{max(sizes) * max(1, samples // max(sizes))} (a multiple of every size)."
             )
-    if not cfg.dataset.validation_split:
-        raise ConfigError(
-            "probe=batch compares the sizes by their val_loss, but dataset.validation_split=0 "
-            "holds no validation data; use e.g. dataset.validation_split=0.1."
-        )
-    if cfg.resume:
-        raise ConfigError(
-            "probe=batch runs its branches from the start and is not resumed; start it again "
-            "without resume=."
-        )
+    given = cfg.probe.get("from")
+    if given is not None:
+        import os
+
+        from_dir = os.path.expanduser(str(given))
+        saved = [os.path.join(from_dir, name) for name in ("model.keras", "checkpoints")]
+        if not any(os.path.exists(path) for path in saved):
+            raise ConfigError(
+                f"probe.from={given} holds neither a model.keras nor a checkpoints folder; give "
+                "the directory of a ga-train run of this model (it prints it at start), or leave "
+                "probe.from out to start from the initial weights."
+            )
 
 
 # Every numeric key's range, where one call with a value outside it would otherwise fail deep in

@@ -547,7 +547,7 @@ def _resume_requeued_job(cfg, run_dir):
 
 def _record(error, run_dir, cfg, launch):
     """What a failed job leaves: failure.json after training began; nothing before it."""
-    if isinstance(error, ConfigError):
+    if isinstance(error, ConfigError) or getattr(error, "before_training", False):
         if not cfg.resume and os.path.realpath(run_dir) != os.path.realpath(launch.kept_dir or ""):
             rundir.discard_unstarted(run_dir)
     elif isinstance(error, TrainingFailed) and rundir.is_chief():

@@ -27,6 +27,7 @@ import tensorflow as tf
 from gacli.errors import ConfigError, TrainingFailed
 from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, write_json
 from gacli.runner.console import make_console
+from gacli.runner.throughput import samples_per_second
 from gacli.runner.train import Run, _precision_policy, build_job, loss_and_metrics, plan_steps
 
 PROBE_FILE = "probe.json"
@@ -67,7 +68,7 @@ class BranchRun(Run):
     def __init__(self, cfg, run_dir, start_weights=None, parallel_jobs=False):
         super().__init__(cfg, run_dir, BRANCH_GIVEN, parallel_jobs)
         self.start_weights = start_weights
-        self.seconds = None  # fit()'s wall time, tracing and validation included
+        self.seconds = None  # fit()'s wall time, tracing, validation and batch-norm passes included
 
     def restore(self):
         if self.start_weights is not None:
@@ -240,14 +241,18 @@ def _metric_name(rows):
 
 
 def _row(branch, final, samples, where):
-    plan = branch.plan
-    updates = branch.job.accumulator.optimizer_step.numpy()
+    plan, accumulator = branch.plan, branch.job.accumulator
+    # The training clock's rate: training calls after the first (which traces), without the
+    # validation and batch-norm passes; the whole fit() as a fall-back for a one-call branch.
+    reading = branch.callbacks.clock.reading(int(accumulator.micro_step.numpy()))
+    rate = samples_per_second(reading) or samples / branch.seconds
     return {
         "effective_batch_size": plan.effective_batch_size,
         "accum_steps": plan.accum_steps,
-        "updates": int(updates),
+        "updates": int(accumulator.optimizer_step.numpy()),
         **{key: float(value) for key, value in final.items()},
-        "samples_per_second": samples / branch.seconds,
+        "samples_per_second": rate,
+        "seconds": branch.seconds,
         "run_dir": where,
     }
 

@@ -172,3 +172,29 @@ def test_micro_batch_size_auto_on_the_default_job_fits_the_training_set(tmp_path
     code, output = ga_train("micro_batch_size=auto", "epochs=1", "progress=none", cwd=tmp_path)
     assert code == 0, output[-3000:]
     assert "effective batch  1436 = micro_batch_size 359 x accum_steps 4" in output, output
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (
+            "epochs: 2\naccum_steps: 2\nepochs: 3\n",
+            "ga-train: ./my.yaml:6:1: the key 'epochs' is given twice (the first would be "
+            "ignored); keep one of the two lines",
+        ),
+        (
+            "optimizer:\n  learning_rate: 0.1\n  learning_rate: 0.2\n",
+            "ga-train: ./my.yaml:6:3: the key 'learning_rate' is given twice",
+        ),
+        (
+            "precision: mixed_bfloat16\n",
+            "ga-train: config=./my.yaml sets precision: mixed_bfloat16, but precision is a config "
+            "group, chosen in the defaults list: add '- override /precision: mixed_bfloat16'",
+        ),
+    ],
+)
+def test_a_users_yaml_with_a_key_twice_or_a_group_as_a_key(tmp_path, body, expected):
+    (tmp_path / "my.yaml").write_text("defaults:\n  - /train\n  - _self_\n" + body)
+    code, output = ga_train("config=./my.yaml", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert first_error_line(output).startswith(expected), output

@@ -375,8 +375,19 @@ class Run:
             for key, values in segment.history.items():
                 history.setdefault(key, []).extend(values)
         if not history:
-            # Resumed after the last epoch's checkpoint: only the end of training is left.
+            # Resumed after the last epoch's checkpoint: only the end of training is left, and
+            # the last epoch's metrics are the ones kept with its checkpoint.
             job.model.optimizer.finalize_variable_values(job.model.trainable_variables)
+            history = {key: [value] for key, value in self.state.epoch_logs(cfg.epochs).items()}
+            if not history and data.validation is not None:
+                # Kept by an older gacli without them: the validation metrics are measured again
+                # on the final weights (the training ones cannot be).
+                history = {
+                    f"val_{key}": [value]
+                    for key, value in job.model.evaluate(
+                        validation, verbose=0, return_dict=True
+                    ).items()
+                }
         return history
 
     def _recover(self, error):
@@ -679,6 +690,12 @@ def _guard_run_dir(cfg, run_dir):
             {k: v for k, v in before.items() if k not in FREE_ON_RESUME + ("resolved",)},
             {k: v for k, v in now.items() if k not in FREE_ON_RESUME},
         )
+        if now["monitor"]["gns"] and not before.get("monitor", {}).get("gns", False):
+            raise ConfigError(
+                f"resume: {run_dir} was started without monitor.gns, so its checkpoints hold no "
+                "noise-scale state to go on from. Resume without monitor.gns=true (the noise "
+                "scale can be measured in a new run), or start a new run with it."
+            )
         if changed:
             shown = ", ".join(f"{key}={old!r} (now {new!r})" for key, old, new in changed[:4])
             raise ConfigError(

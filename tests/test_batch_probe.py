@@ -4,6 +4,7 @@ probe settings end with one paragraph and exit code 2 before TensorFlow loads.""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -56,6 +57,21 @@ def test_each_branch_is_the_plain_run_of_its_size_and_leaves_nothing_behind(tmp_
     assert noise["micro_batches"] == 16 and noise["noise_scale"] > 0
     with open(os.path.join(probe_dir, "probe.png"), "rb") as file:
         assert file.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_probe_from_starts_every_branch_from_that_runs_weights(tmp_path):
+    from gacli.runner.batch_probe import BranchRun, _start_point, branch_config
+
+    finished = str(tmp_path / "finished")
+    train(compose_config(*JOB, "epochs=1", "steps_per_epoch=3"), finished)
+    unfinished = str(tmp_path / "unfinished")  # its newest checkpoint, no model.keras
+    shutil.copytree(finished, unfinished)
+    os.remove(os.path.join(unfinished, "model.keras"))
+    for given in (finished, unfinished):
+        cfg = compose_config(*JOB, *PROBE, f"probe.from={given}")
+        branch = BranchRun(branch_config(cfg, 32), str(tmp_path / "branch"))
+        start = _start_point(cfg, branch)
+        assert record(weights_difference(start.weights, final_weights(finished))) == 0.0
 
 
 BAD = [

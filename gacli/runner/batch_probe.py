@@ -27,6 +27,7 @@ import tensorflow as tf
 from gacli.errors import ConfigError, TrainingFailed
 from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, write_json
 from gacli.runner.console import make_console
+from gacli.runner.runstate import micro_batch_stream
 from gacli.runner.throughput import samples_per_second
 from gacli.runner.train import Run, _precision_policy, build_job, loss_and_metrics, plan_steps
 
@@ -99,6 +100,7 @@ class StartPoint:
         if self.given:
             self._load(os.path.abspath(os.path.expanduser(self.given)))
         self.weights = self.job.model.get_weights()
+        self.noise = None  # noise_scale(), once measured
 
     def _load(self, from_dir):
         """The weights of the run in ``from_dir``: its model.keras, else its newest checkpoint."""
@@ -130,7 +132,10 @@ class StartPoint:
         count = cfg.probe.samples // micro
         if count < 2:
             return None
-        stream = run.order.shuffled(run.data.train, 0).repeat().batch(micro).take(count)
+        # The micro-batches the branches train on, in their order (a pass's last one may be
+        # short: skipped below).
+        per_pass = math.ceil(run.data.train_size / micro)
+        stream = micro_batch_stream(run.data.train, micro, per_pass, 0, count, run.order)
 
         @tf.function
         def gradients(x, y):

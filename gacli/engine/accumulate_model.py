@@ -297,7 +297,10 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
             otherwise unchecked).
         loss_normalization: ``"batch"`` (Keras' semantics) or ``"window_weights"``: divide by the
             window's total sample weight, e.g. its unmasked tokens, over all replicas.
-        *args, **kwargs: ``inputs=...``, ``outputs=...``, ``name=...`` as for ``keras.Model``.
+        *args: ``keras.Model``'s positional arguments, after the ones above.
+        config: every setting above at once, as a ``gacli.AccumulationConfig``.
+        **kwargs: ``inputs=...``, ``outputs=...``, ``name=...`` as for ``keras.Model``, and the
+            settings named above.
 
     Example:
         >>> model = GradientAccumulateModel(accum_steps=4, inputs=base.input, outputs=base.output)

@@ -52,8 +52,8 @@ def unknown_key(key):
     hint = f"did you mean {close[0]}? " if close else ""
     return (
         f"{key} is not a key ga-train reads, so setting it would change nothing; {hint}"
-        "ga-train --cfg job lists every key with its value, and the README's config "
-        "reference says what each does."
+        "ga-train --cfg job lists every key with its value, and the config reference "
+        "(docs/reference/config.md) says what each does."
     )
 
 

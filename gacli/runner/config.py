@@ -98,7 +98,7 @@ class OutOfMemory(str, enum.Enum):
 
 
 class Pick(str, enum.Enum):
-    largest = "largest"  # the largest micro-batch that fits (after the safety margin)
+    largest = "largest"  # the largest that fits (none failed: the largest within 3% of the fastest)
     fastest = "fastest"  # the one with the most samples/s among those that fit
 
 
@@ -192,8 +192,9 @@ class MonitorConfig:
 class AutoBatchConfig:
     # micro_batch_size=auto: how the probe chooses.
     pick: Pick = Pick.largest
-    # After a probe ran out of memory: the micro-batch is at most (1 - margin) x the largest
-    # that ran, so that a longer sequence or a fragmented allocator still fits.
+    # After a probe ran out of memory: the micro-batch may use at most (1 - margin) of what the
+    # first size that failed would need (of its peak device memory where that is measured, else
+    # of its size), so that a longer sequence or a fragmented allocator still fits.
     margin: float = 0.1
     max_micro_batch_size: Optional[int] = None  # the largest size probed (None: the data's)
     timed_calls: int = 2  # compiled calls timed per size, after one that warms up
@@ -235,7 +236,8 @@ class TrainConfig:
     # Its direction follows from its name (gacli.runner.objective).
     objective: Optional[str] = None
     # probe=batch: train one branch per effective batch from the same weights on the same
-    # samples, instead of one run (gacli.runner.batch_probe; docs/guides/batch-probe.md).
+    # samples and measure the critical batch, instead of one run; probe.effective_sizes,
+    # probe.samples, probe.from, probe.tolerance (configs/probe/batch.yaml) say how.
     probe: Dict[str, Any] = field(default_factory=lambda: {"name": "none"})
     output_dir: str = MISSING  # set from the Hydra run directory
 

@@ -245,3 +245,49 @@ def test_a_full_disk_is_named_as_such_and_the_run_resumes_once_there_is_room(tmp
     assert code == 0, output
     assert "resume: from epoch 2, micro-batch 0 of it" in output
     assert os.path.exists(run_dir / "result.json") and os.path.exists(run_dir / "model.keras")
+
+
+def _image_folder(root, classes=("cat", "dog"), per_class=12):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name in classes:
+        (root / name).mkdir(parents=True)
+        for index in range(per_class):
+            pixels = rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{index}.png")
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (
+            ("dataset.num_classes=5",),
+            "ga-train: dataset.num_classes=5 but images has 2 class folders (cat, dog), and an "
+            "image folder's classes are its sub-folders",
+        ),
+        (
+            ("dataset.validation_split=0.99",),
+            "ga-train: the training set is empty: dataset image_folder leaves no sample for "
+            "training after validation_split=0.99",
+        ),
+        (
+            ("dataset.image_size=100000",),
+            "ga-train: the model does not fit in memory: building mlp for inputs of shape "
+            "(100000, 100000, 3) ran out of memory",
+        ),
+    ],
+)
+def test_image_folder_settings_that_cannot_work_are_refused(tmp_path, settings, expected):
+    # A folder of 2 classes: more classes than folders trained silently; an empty training set
+    # was told to use micro_batch_size=1; a size whose model cannot be built was a traceback.
+    _image_folder(tmp_path / "images")
+    code, output = ga_train(
+        "dataset=image_folder", "dataset.path=images", "dataset.channels=3", *settings,
+        "micro_batch_size=4", "accum_steps=2", "epochs=1", cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 2 and "Traceback" not in output, output
+    assert first_error_line(output).startswith(expected), output
+    assert not glob.glob(str(tmp_path / "outputs" / "*" / "*")), "the run directory stays"

@@ -90,6 +90,19 @@ def call_has_training_arg(model):
     return model._call_has_training_arg
 
 
+@contextlib.contextmanager
+def compile_state_hidden(model):
+    """``model`` seen as not compiled (``keras.models.clone_model`` then copies no compile state:
+    it would rebuild the optimizer and loss from their configs, which fails for a loss function
+    that is not registered with Keras); put back on exit."""
+    compiled = getattr(model, "compiled", False)
+    model.compiled = False
+    try:
+        yield model
+    finally:
+        model.compiled = compiled
+
+
 def sublayers(model, include_self=False):
     """Every layer inside ``model``, nested ones included (and the model, ``include_self``)."""
     return list(model._flatten_layers(include_self=include_self))

@@ -200,6 +200,19 @@ class AutoBatchConfig:
     timed_calls: int = 2  # compiled calls timed per size, after one that warms up
 
 
+class CheckName(str, enum.Enum):
+    none = "none"  # train
+    equivalence = "equivalence"  # compare one accumulated window with the big batch; no training
+
+
+@dataclass
+class CheckConfig:
+    name: CheckName = CheckName.none
+    # check=equivalence: the largest relative weight difference that passes (None: the contract's,
+    # 1e-6 for SGD and momentum, 1e-5 for adaptive optimizers; docs/guides/equivalence-check.md).
+    tolerance: Optional[float] = None
+
+
 @dataclass
 class TrainConfig:
     config: str = "default"  # the recipe or YAML file this run was composed from
@@ -209,6 +222,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
     # Samples per forward/backward pass, per replica; "auto": the largest that fits the device.
     # The default job's values of these are in configs/train.yaml; null: derived from the others.
     micro_batch_size: Any = MISSING
@@ -250,6 +264,7 @@ GROUPS = {
     "optimizer": OptimizerConfig,
     "precision": PrecisionConfig,
     "strategy": StrategyConfig,
+    "check": CheckConfig,
 }
 
 
@@ -502,11 +517,57 @@ def validate(cfg, given=()):
         )
     if cfg.strategy.logical_cpus < 0:
         raise ConfigError("strategy.logical_cpus must be >= 0 (0: use the devices as they are).")
+    _validate_check(cfg)
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError(
             f"model.factory={cfg.model.factory} must be 'package.module:function', e.g. "
             "model.factory=mypkg.models:build_model."
         )
+
+
+def check_tolerance_argument(assignments):
+    """ConfigError, before Hydra composes, for a ``check.tolerance=`` that is not a number."""
+    for assignment in assignments:
+        key, _, value = assignment.partition("=")
+        if key.lstrip("+~") != "check.tolerance" or value.strip().lower() in ("null", "none"):
+            continue
+        try:
+            float(value)
+        except ValueError:
+            raise ConfigError(
+                f"{assignment}: check.tolerance takes a positive number (the largest relative "
+                "weight difference that passes), e.g. check.tolerance=1e-5; leave it unset for "
+                "the contract's (1e-6 for SGD, 1e-5 for adaptive optimizers)."
+            ) from None
+
+
+def _validate_check(cfg):
+    """``check=equivalence``: a tolerance that is a positive number, and a job it can compare."""
+    tolerance = cfg.check.tolerance
+    if tolerance is not None and not (0 < tolerance < float("inf")):
+        raise ConfigError(
+            f"check.tolerance={tolerance} must be a positive number (the largest relative weight "
+            "difference that passes), e.g. check.tolerance=1e-5; leave it unset for the "
+            "contract's (1e-6 for SGD, 1e-5 for adaptive optimizers)."
+        )
+    if cfg.check.name != CheckName.equivalence:
+        return
+    refused = {
+        "resume": (cfg.resume, "trains nothing, so there is nothing to resume; drop resume="),
+        "precision": (
+            cfg.precision.policy != Policy.fp32,
+            "compares float32 updates (the contract's tolerances are float32 round-off); drop "
+            "precision= or use precision=fp32",
+        ),
+        "optimizer.use_agc": (
+            cfg.optimizer.use_agc,
+            "compares with plain Keras, which has no adaptive gradient clipping; drop "
+            "optimizer.use_agc=true for the check",
+        ),
+    }
+    for key, (given, what_to_do) in refused.items():
+        if given:
+            raise ConfigError(f"check=equivalence with {key}: the check {what_to_do}.")
 
 
 def _validate_batch_choice(cfg):
@@ -728,6 +789,7 @@ _READ_ONLY_BY = {
     "strategy.tpu": ("strategy.name", ("tpu",)),
     "strategy.cluster": ("strategy.name", ("multi_worker",)),
     "strategy.port": ("strategy.cluster", ("slurm",)),
+    "check.tolerance": ("check.name", ("equivalence",)),
 }
 
 

@@ -275,11 +275,12 @@ def image_folder(cfg, seed):
             f"dataset.path={cfg.path} has {len(classes)} class sub-folder(s); image_folder needs "
             "one sub-folder per class (at least two), each holding that class's images."
         )
-    if cfg.num_classes and cfg.num_classes < len(classes):
+    if cfg.num_classes and cfg.num_classes != len(classes):
         raise ConfigError(
             f"dataset.num_classes={cfg.num_classes} but {cfg.path} has {len(classes)} class "
-            f"folders ({', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}); set "
-            f"dataset.num_classes={len(classes)} or 0 (counted from the folders)."
+            f"folders ({', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}), and an "
+            "image folder's classes are its sub-folders (a class without one has no sample); "
+            f"set dataset.num_classes={len(classes)} or 0 (counted from the folders)."
         )
     files, labels = [], []
     for label, name in enumerate(classes):

@@ -207,7 +207,15 @@ class Run:
     def build(self):
         """The compiled model and engine; the start-up panel; ``resolved.yaml``."""
         cfg, plan, data, steps = self.cfg, self.plan, self.data, self.steps
-        self.job = build_job(cfg, plan, data, steps, self.strategy)
+        try:
+            self.job = build_job(cfg, plan, data, steps, self.strategy)
+        except tf.errors.ResourceExhaustedError as error:
+            raise ConfigError(
+                f"the model does not fit in memory: building {cfg.model.name} for inputs of shape "
+                f"{tuple(data.input_shape)} ran out of memory ({oom_line(error)}) before training "
+                "began. Give it smaller inputs (dataset.image_size) or fewer or narrower layers "
+                "(the model.* settings)."
+            ) from None
         facts = self.job.facts(cfg, plan, data, steps, self.strategy)
         startup_panel(self.console, cfg, plan, {**facts, **self.chosen})
         self.chief = is_chief()
@@ -684,6 +692,13 @@ def _check_batch_fits_data(cfg, plan, train_size):
     windows_span_passes = (
         cfg.steps_per_epoch is not None or cfg.partial_window == PartialWindow.carry
     )
+    if train_size == 0:
+        raise ConfigError(
+            f"the training set is empty: dataset {cfg.dataset.name} leaves no sample for training "
+            f"after validation_split={cfg.dataset.validation_split} takes its share for "
+            "validation. Lower dataset.validation_split (e.g. dataset.validation_split=0.2), or "
+            "give more data."
+        )
     if plan.global_micro_batch_size > train_size:
         per_replica = " x replicas" if plan.replicas > 1 else ""
         raise ConfigError(

@@ -113,12 +113,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def check_user_yaml(path, shown, group_options):
-    """ConfigError, naming ``shown`` (the path as given) and the line, for a user's YAML that is
-    not valid YAML, is empty, does not start from gacli's defaults, or sets keys nothing reads.
-
-    ``group_options``: {group: names of its shipped files}, e.g. {"dataset": ["digits", ...]}.
-    """
+def _read_user_yaml(path, shown):
+    """The content of a user's YAML file; ConfigError, naming the line, when it cannot be read."""
     try:
         with open(path) as handle:
             content = yaml.load(handle, Loader=_UniqueKeyLoader)
@@ -140,6 +136,16 @@ def check_user_yaml(path, shown, group_options):
         ) from None
     except OSError as error:
         raise ConfigError(f"config={shown} cannot be read: {error.strerror or error}.") from None
+    return content
+
+
+def check_user_yaml(path, shown, group_options):
+    """ConfigError, naming ``shown`` (the path as given) and the line, for a user's YAML that is
+    not valid YAML, is empty, does not start from gacli's defaults, or sets keys nothing reads.
+
+    ``group_options``: {group: names of its shipped files}, e.g. {"dataset": ["digits", ...]}.
+    """
+    content = _read_user_yaml(path, shown)
     if not isinstance(content, dict):
         raise ConfigError(
             f"config={shown} is {'empty' if content is None else 'not a mapping of keys'}; a "

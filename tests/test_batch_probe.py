@@ -85,6 +85,7 @@ BAD = [
     (("micro_batch_size=auto",), "probe=batch reaches each size by accumulation"),
     (("dataset.validation_split=0",), "probe=batch compares the sizes by their val_loss"),
     (("probe.tolerance=-1",), "probe.tolerance=-1 must be >= 0"),
+    (("check=equivalence",), "probe=batch and check= each run a job of their own"),
 ]
 
 

@@ -664,6 +664,11 @@ def _validate_probe(cfg, replicas):
             "probe=batch runs its branches from the start and is not resumed; start it again "
             "without resume=."
         )
+    if str(getattr(cfg.check.name, "value", cfg.check.name)) != "none":
+        raise ConfigError(
+            "probe=batch and check= each run a job of their own; run them as two commands, "
+            "e.g. ga-train probe=batch first, then ga-train check=equivalence."
+        )
 
 
 def _validate_probe_sizes(cfg, sizes, samples, replicas):

@@ -492,7 +492,6 @@ def validate(cfg, given=()):
             "which works around it)."
         )
     _validate_batch_choice(cfg)
-    _validate_probe(cfg, replicas)
     _validate_ranges(cfg)
     _refuse_inert_keys(cfg, given)
     if cfg.steps_per_execution is not None and cfg.steps_per_execution < 1:
@@ -571,7 +570,8 @@ def _validate_check(cfg):
 
 
 def _validate_batch_choice(cfg):
-    """``auto_batch`` and ``oom``."""
+    """``probe``, ``auto_batch`` and ``oom``."""
+    _validate_probe(cfg, expected_replicas(cfg.strategy))
     auto = cfg.auto_batch
     if not 0 <= auto.margin < 1:
         raise ConfigError(

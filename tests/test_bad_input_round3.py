@@ -135,6 +135,43 @@ def test_a_tfrecord_file_cut_short_is_refused(tmp_path, cut, expected):
     assert f"train.tfrecord {expected}" in output, output
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "features, expected",
+    [
+        (
+            "dataset.features={image:{shape:[4,4,2],dtype:float32},label:{shape:[],dtype:int64}}",
+            "Number of float values != expected.  Values size: 16 but output shape: [4,4,2]",
+        ),
+        (
+            "dataset.features={image:{shape:[4,4,1],dtype:int64},label:{shape:[],dtype:int64}}",
+            "Data types don't match. Data type: float but expected type: int64",
+        ),
+    ],
+)
+def test_a_tfrecord_feature_mismatch_keeps_its_reason(tmp_path, features, expected):
+    # TensorFlow's reason came after the op's long name and was cut off at 160 characters.
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    with tf.io.TFRecordWriter(str(tmp_path / "train.tfrecord")) as writer:
+        for index in range(40):
+            feature = {
+                "image": tf.train.Feature(float_list=tf.train.FloatList(value=rng.normal(size=16))),
+                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[index % 3])),
+            }
+            example = tf.train.Example(features=tf.train.Features(feature=feature))
+            writer.write(example.SerializeToString())
+    code, output = ga_train(
+        "dataset=tfrecord", "dataset.path=train.tfrecord", features, "epochs=1", cwd=tmp_path
+    )
+    assert code == 2 and "Traceback" not in output, output
+    assert first_error_line(output).startswith(
+        "ga-train: train.tfrecord record 0 does not match dataset.features (Name: <unknown>, "
+        f"Key: image, Index: 0.  {expected}); describe its features as they are stored"
+    ), output
+
+
 def test_a_folder_of_the_users_is_never_written_into(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "model.keras").write_text("the user's own model")

@@ -515,6 +515,10 @@ def _train(cfg, hydra_config, run_dir, launch):
         import tensorflow as tf
 
         tf.config.list_physical_devices()  # CUDA's probe, and its messages, happen here
+    if cfg.probe.name == "batch":
+        from gacli.runner.batch_probe import probe_batch
+
+        return probe_batch(cfg, run_dir, parallel_jobs=_parallel_jobs(hydra_config))
     if cfg.check.name.value == "equivalence":
         from gacli.runner.equivalence_check import run_equivalence_check
 
@@ -561,7 +565,7 @@ def _resume_requeued_job(cfg, run_dir):
 
 def _record(error, run_dir, cfg, launch):
     """What a failed job leaves: failure.json after training began; nothing before it."""
-    if isinstance(error, ConfigError):
+    if isinstance(error, ConfigError) or getattr(error, "before_training", False):
         if not cfg.resume and os.path.realpath(run_dir) != os.path.realpath(launch.kept_dir or ""):
             rundir.discard_unstarted(run_dir)
     elif isinstance(error, TrainingFailed) and rundir.is_chief():

@@ -106,10 +106,8 @@ class Window:
         A sparse gradient (``tf.IndexedSlices``, an embedding's) is added row by row with a
         scatter: every cost here is proportional to the micro-batch's rows, never the table's
         (contract row E5)."""
-        mask = [0] * len(self.accumulators)
         squares = []
         for index, gradient in gradients.items():
-            mask[index] = 1
             accumulator = self.accumulators[index]
             sparse = isinstance(gradient, tf.IndexedSlices)
             contribution = tf.cast(gradient.values if sparse else gradient, accumulator.dtype)
@@ -128,15 +126,25 @@ class Window:
                 _scatter_add(accumulator, tf.IndexedSlices(contribution, gradient.indices))
             else:
                 accumulator.assign_add(contribution)
-        self.gradient_mask.assign(tf.constant(mask, "int32"))
         return tf.add_n(squares) if squared_norm and squares else None
 
     def count(self, sample_count, kept):
-        """Count one micro-batch: its samples (None: unweighted), times ``kept`` (1 or 0)."""
+        """Weigh one micro-batch on this replica: its samples (None: unweighted), times ``kept``
+        (1 or 0)."""
         if sample_count is None:
             self.window_unweighted.assign_add(kept)
         else:
             self.window_weight.assign_add(tf.cast(sample_count, "float32") * kept)
+
+    def step(self, indices):
+        """Count one micro-step, whose micro-batch had gradients for the variables at
+        ``indices``. The state written here holds one value for all replicas, so under a
+        strategy it is written where replicas synchronise, never inside a replica's XLA
+        computation (see ``GradientAccumulateOptimizer.close_window``)."""
+        mask = [0] * len(self.accumulators)
+        for index in indices:
+            mask[index] = 1
+        self.gradient_mask.assign(tf.constant(mask, "int32"))
         self.window_micro_steps.assign_add(1)
         self.micro_step.assign_add(1)
 

@@ -33,7 +33,7 @@ from gacli.engine.settings import (
     take_agc_alias,
     validate_accum_steps,
 )
-from gacli.engine.window import LossScale, NoiseScale, NonFiniteGuard, Window
+from gacli.engine.window import LossScale, NoiseScale, NonFiniteGuard, Window, squared_norm
 
 __all__ = [
     "GradientAccumulateOptimizer",
@@ -249,6 +249,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         )
         self._guard = NonFiniteGuard(config.nonfinite) if config.nonfinite else None
         self._noise = NoiseScale(config.noise_scale_decay) if config.noise_scale else None
+        # The noise scale's per-micro-batch work as one XLA program: a few dozen small graph ops
+        # otherwise, whose launches cost a small model's micro-step more than its arithmetic.
+        self._noise_observer = tf.function(self._observe_noise, jit_compile=True)
         # Whether the end of the current fit() is the end of training (see fit_continues).
         self.fit_ends_training = True
         # AGC's unit axes by variable path, from the model's layers (gacli.agc_unit_axes); None:
@@ -444,10 +447,17 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             if gradient is not None
         }
         keep = self._guard.keep(list(gradients.values())) if self._guard else None
-        observe = self._noise is not None and self._weighs(sample_count)
-        squared = self._window.add(gradients, factor, keep, squared_norm=observe)
-        if squared is not None:
-            self._observe_noise(squared, sample_count, keep)
+        if self._noise is not None and self._weighs(sample_count):
+            observe = self._observe_noise
+            if not _in_distributed_replica_context():
+                observe = self._noise_observer
+            observe(
+                list(gradients.values()),
+                factor,
+                sample_count,
+                tf.constant(True) if keep is None else keep,
+            )
+        self._window.add(gradients, factor, keep)
         kept = self._guard.record(keep) if self._guard else tf.constant(1.0)
         self._window.count(sample_count if self._weighs(sample_count) else None, kept)
         return tuple(sorted(gradients))
@@ -458,14 +468,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._window.step(indices)
         self._apply_window_if(self._window.closes(), indices, micro_step=True)
 
-    def _observe_noise(self, squared, sample_count, keep):
-        """Hand the noise scale |g|^2 of this micro-batch's mean-loss gradient. ``squared`` is
-        that of what the window added: the gradient of the micro-batch's summed loss, unscaled
-        (the mean's times the sample count), however the caller wrote the loss."""
+    def _observe_noise(self, gradients, factor, sample_count, keep):
+        """Hand the noise scale |g|^2 of this micro-batch's mean-loss gradient, from what the
+        window adds (``gradients`` times ``factor``): the gradient of the micro-batch's summed
+        loss, unscaled (the mean's times the sample count), however the caller wrote the loss."""
         to_mean = 1.0 / tf.cast(sample_count, "float32")
-        self._noise.observe(
-            squared * tf.square(to_mean), sample_count, tf.constant(True) if keep is None else keep
-        )
+        squared = squared_norm(gradients, factor)
+        self._noise.observe(squared * tf.square(to_mean), sample_count, keep)
 
     def _weighs(self, sample_count):
         return sample_count is not None and self.reduction is Reduction.mean

@@ -33,9 +33,10 @@ Config groups: model={model}  dataset={dataset}
   optimizer={optimizer}  precision={precision}  strategy={strategy}
 
 Every key can be overridden as key=value; --cfg job prints the composed config, --info where
-each part of it came from, --version the versions of gacli, TensorFlow and Keras. The README has
-the full config reference, and the exit codes: 0 finished, 1 failed while training (resumable),
-2 bad input (nothing trained), 128+N stopped by signal N.
+each part of it came from, --version the versions of gacli, TensorFlow and Keras. The config
+reference (docs/reference/config.md in the repository) says what every key does. Exit codes:
+0 finished, 1 failed while training (resumable), 2 bad input (nothing trained), 128+N stopped by
+signal N.
 """
 
 _HYDRA_HELP = """ga-train passes these Hydra options through:

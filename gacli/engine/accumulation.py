@@ -249,9 +249,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         )
         self._guard = NonFiniteGuard(config.nonfinite) if config.nonfinite else None
         self._noise = NoiseScale(config.noise_scale_decay) if config.noise_scale else None
-        # The noise scale's per-micro-batch work as one XLA program: a few dozen small graph ops
-        # otherwise, whose launches cost a small model's micro-step more than its arithmetic.
-        self._noise_observer = tf.function(self._observe_noise, jit_compile=True)
         # Whether the end of the current fit() is the end of training (see fit_continues).
         self.fit_ends_training = True
         # AGC's unit axes by variable path, from the model's layers (gacli.agc_unit_axes); None:
@@ -448,10 +445,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         }
         keep = self._guard.keep(list(gradients.values())) if self._guard else None
         if self._noise is not None and self._weighs(sample_count):
-            observe = self._observe_noise
-            if not _in_distributed_replica_context():
-                observe = self._noise_observer
-            observe(
+            self._observe_noise(
                 list(gradients.values()),
                 factor,
                 sample_count,

@@ -47,12 +47,12 @@ def _squared_norm_of_rows(values, indices):
 def squared_norm(gradients, factor):
     """The squared norm of ``gradients`` (a list, dense or ``tf.IndexedSlices``) times
     ``factor`` (None: 1), in float32; a sparse one's from its rows only."""
-    squares = [
-        _squared_norm_of_rows(gradient.values, gradient.indices)
-        if isinstance(gradient, tf.IndexedSlices)
-        else tf.reduce_sum(tf.square(tf.cast(gradient, "float32")))
-        for gradient in gradients
-    ]
+    sparse = [g for g in gradients if isinstance(g, tf.IndexedSlices)]
+    dense = [g for g in gradients if not isinstance(g, tf.IndexedSlices)]
+    # l2_loss is half the squared norm, in one pass with no squared copy of the gradient.
+    squares = [_squared_norm_of_rows(g.values, g.indices) for g in sparse]
+    if dense:
+        squares.append(2.0 * tf.add_n([tf.nn.l2_loss(tf.cast(g, "float32")) for g in dense]))
     total = tf.add_n(squares)
     return total if factor is None else total * tf.square(tf.cast(factor, "float32"))
 

@@ -12,7 +12,7 @@ times, inside compiled functions, the parts of one micro-batch:
 
 and prints the ceiling of accumulation against A, step / (step - update * (1 - 1/k) + add): the
 speed-up gacli would have if Keras' per-call work cost nothing for either. With C at about A's
-speed (see results/unet.md), the ceiling against C is about the same number.
+speed (bench.py measures it), the ceiling against C is about the same number.
 
     python benchmarks/unet_floor.py [--jit] [--repeats 5]
 """

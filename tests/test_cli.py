@@ -133,6 +133,10 @@ BAD_INPUT = [
         ],
         "ga-train: steps_per_execution=4 with wrapper=optimizer fails under 2 replicas",
     ),
+    (
+        ["strategy=mirrored", "strategy.logical_cpus=2", "jit_compile=true"],
+        "ga-train: jit_compile=true fails under strategy=mirrored with several devices",
+    ),
 ]
 
 

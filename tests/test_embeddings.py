@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import gacli
 from gacli.engine.options import Reduction
-from gacli.engine.window import Window
+from gacli.engine.window import Window, squared_norm
 from helpers import (
     EMBEDDING_DIM,
     MICRO,
@@ -156,8 +156,9 @@ def test_e5_an_accumulation_step_builds_no_table_sized_tensor(settings):
 
 
 def test_e5_window_sums_repeated_rows_and_squares_their_sum():
-    """Window.add on rows with repeats: the accumulator holds their dense sum, and the squared
-    norm (the noise scale's |g_i|^2) is that of the summed rows, not of each occurrence."""
+    """Window.add on rows with repeats: the accumulator holds their dense sum, and
+    window.squared_norm (the noise scale's |g_i|^2) is that of the summed rows, not of each
+    occurrence."""
     state = {}
 
     def add_state(name, shape=(), dtype="float32", per_replica=False, initial_value=0.0):
@@ -171,12 +172,9 @@ def test_e5_window_sums_repeated_rows_and_squares_their_sum():
     indices = np.array([4, 1, 4, 4], "int32")
     dense = np.zeros((6, 2), "float32")
     np.add.at(dense, indices, 2.0 * values)
-    squared = window.add(
-        {0: tf.IndexedSlices(tf.constant(values), tf.constant(indices), (6, 2))},
-        factor=tf.constant(2.0),
-        keep=tf.constant(True),
-        squared_norm=True,
-    )
+    rows = tf.IndexedSlices(tf.constant(values), tf.constant(indices), (6, 2))
+    window.add({0: rows}, factor=tf.constant(2.0), keep=tf.constant(True))
+    squared = squared_norm([rows], tf.constant(2.0))
     np.testing.assert_allclose(window.accumulators[0].numpy(), dense)
     np.testing.assert_allclose(float(squared), float(np.sum(dense**2)), rtol=1e-6)
     window.add(

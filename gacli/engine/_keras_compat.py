@@ -203,6 +203,18 @@ def reducible_logs(logs, strategy):
     )
 
 
+@contextlib.contextmanager
+def jit_compile_off(model):
+    """Inside, Keras makes the model's step functions without XLA (``model.jit_compile`` is
+    read when they are made); the setting is as it was after."""
+    setting = model._jit_compile
+    model._jit_compile = False
+    try:
+        yield
+    finally:
+        model._jit_compile = setting
+
+
 class KerasWorkarounds:
     """Overrides of Keras trainer internals that route around Keras bugs; mixed into the model
     wrappers before ``keras.Model``."""

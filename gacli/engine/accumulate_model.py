@@ -191,10 +191,53 @@ class AccumulationMixin(compat.KerasWorkarounds):
         """Optimizer updates applied (a variable, checkpointed with the optimizer)."""
         return self.accumulating_optimizer.optimizer_step
 
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        optimizer = self.accumulating_optimizer
+        # One replica only: under several, the replicas' XLA computations and the window's
+        # all-reduce did not agree on their collectives in every case tried (Adam, ragged
+        # micro-batches, several micro-batches a call).
+        apart = bool(
+            self.jit_compile
+            and not self.run_eagerly
+            and self.distribute_strategy.num_replicas_in_sync == 1
+        )
+        if optimizer is not None:
+            optimizer.update_compiled_apart = apart
+        if not apart:
+            return super().make_train_function(force)
+        # Keras' step function runs as a graph; train_step compiles the micro-step and the
+        # window's update with XLA, each apart, and chooses between them in the graph (see
+        # GradientAccumulateOptimizer.update_compiled_apart). Evaluation keeps Keras' XLA.
+        with compat.jit_compile_off(self):
+            return super().make_train_function(force)
+
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         accumulator = self.optimizer
         sample_count = self._sample_count(x, sample_weight)
+        found = []
+
+        def micro_step(x, y, sample_weight):
+            loss, y_pred, indices = self._micro_step(x, y, sample_weight, sample_count)
+            found.append(indices)
+            compat.loss_tracker(self).update_state(loss, sample_weight=sample_count)
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+        if accumulator.update_compiled_apart:
+            micro_step = tf.function(micro_step, jit_compile=True)
+        logs = micro_step(x, y, sample_weight)
+        if found[-1] is not None:
+            accumulator.close_window(found[-1])
+        return compat.reducible_logs(
+            {**logs, **self._accumulation_logs()}, self.distribute_strategy
+        )
+
+    def _micro_step(self, x, y, sample_weight, sample_count):
+        """Forward and backward pass of one micro-batch, added to the window: (its per-replica
+        mean loss, its predictions, the indices of the variables that had gradients or None)."""
+        accumulator = self.optimizer
         with tf.GradientTape() as tape:
             if compat.call_has_training_arg(self):
                 y_pred = self(x, training=True)
@@ -205,24 +248,20 @@ class AccumulationMixin(compat.KerasWorkarounds):
             loss = compat.unscale_loss_for_distribution(
                 compat.compute_training_loss(self, x, y, y_pred, sample_weight)
             )
-            compat.loss_tracker(self).update_state(loss, sample_weight=sample_count)
             # The accumulator weighs each micro-batch by its count: weighing the loss gives the
             # weighted gradients straight from the backward pass, one pass over them less. Not
             # under loss scaling: float16 gradients times the count would overflow sooner.
             summed = accumulator.reduction is Reduction.mean and not accumulator.loss_scaling
-            if summed:
-                loss = loss * tf.cast(sample_count, loss.dtype)
-            scaled_loss = accumulator.scale_loss(loss)
+            weighed = loss * tf.cast(sample_count, loss.dtype) if summed else loss
+            scaled_loss = accumulator.scale_loss(weighed)
         trainable_weights = self.trainable_weights
+        indices = None
         if trainable_weights:
             gradients = tape.gradient(scaled_loss, trainable_weights)
-            accumulator.apply(
+            indices = accumulator.accumulate(
                 gradients, trainable_weights, sample_count=sample_count, summed=summed
             )
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return compat.reducible_logs(
-            {**logs, **self._accumulation_logs()}, self.distribute_strategy
-        )
+        return loss, y_pred, indices
 
     def _sample_count(self, x, sample_weight):
         """The micro-batch's weight in its window: its samples, or under

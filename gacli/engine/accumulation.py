@@ -33,7 +33,7 @@ from gacli.engine.settings import (
     take_agc_alias,
     validate_accum_steps,
 )
-from gacli.engine.window import LossScale, NoiseScale, NonFiniteGuard, Window
+from gacli.engine.window import LossScale, NoiseScale, NonFiniteGuard, Window, squared_norm
 
 __all__ = [
     "GradientAccumulateOptimizer",
@@ -258,6 +258,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._window_functions = {}
         # The state variables that hold one value for all replicas (see shared_state).
         self._shared_state = []
+        # True: the window's update is compiled with XLA as a computation of its own, called
+        # from a graph conditional, while the micro-step around it is compiled apart (the model
+        # wrappers' train function under jit_compile, which sets it as the function is made).
+        # Inside one XLA computation, a conditional that updates a variable on one branch copies
+        # every variable it may update on the other: each micro-batch that does not close its
+        # window would copy the weights, the optimizer's slots and the accumulators once.
+        self.update_compiled_apart = False
         self._constructed = True
 
     def __setattr__(self, name, value):
@@ -405,9 +412,21 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 replicas; ``tf.nn.compute_average_loss(..., global_batch_size=G)`` by ``G``.
                 Given it, windows stay exact with ragged micro-batches under any strategy.
         """
+        indices = self.accumulate(
+            grads, trainable_variables, sample_count, summed=summed, loss_divisor=loss_divisor
+        )
+        if indices is not None:
+            self.close_window(indices)
+
+    def accumulate(
+        self, grads, trainable_variables=None, sample_count=None, summed=False, loss_divisor=None
+    ):
+        """The first half of :meth:`apply` (same arguments): add the micro-batch to the window
+        and count it. Returns the indices of the variables that had gradients, for
+        :meth:`close_window` (None when there were no gradients)."""
         grads = list(grads)
         if not grads:
-            return
+            return None
         if trainable_variables is None:
             if not self.built:
                 raise ValueError(
@@ -425,22 +444,31 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             if gradient is not None
         }
         keep = self._guard.keep(list(gradients.values())) if self._guard else None
-        observe = self._noise is not None and self._weighs(sample_count)
-        squared = self._window.add(gradients, factor, keep, squared_norm=observe)
-        if squared is not None:
-            self._observe_noise(squared, sample_count, keep)
+        if self._noise is not None and self._weighs(sample_count):
+            self._observe_noise(
+                list(gradients.values()),
+                factor,
+                sample_count,
+                tf.constant(True) if keep is None else keep,
+            )
+        self._window.add(gradients, factor, keep)
         kept = self._guard.record(keep) if self._guard else tf.constant(1.0)
         self._window.count(sample_count if self._weighs(sample_count) else None, kept)
-        self._apply_window_if(self._window.closes(), tuple(sorted(gradients)), micro_step=True)
+        return tuple(sorted(gradients))
 
-    def _observe_noise(self, squared, sample_count, keep):
-        """Hand the noise scale |g|^2 of this micro-batch's mean-loss gradient. ``squared`` is
-        that of what the window added: the gradient of the micro-batch's summed loss, unscaled
-        (the mean's times the sample count), however the caller wrote the loss."""
+    def close_window(self, indices):
+        """The second half of :meth:`apply`: after a micro-batch, apply the window to the
+        variables at ``indices`` if it is full (or skip it, per ``nonfinite``)."""
+        self._window.step(indices)
+        self._apply_window_if(self._window.closes(), indices, micro_step=True)
+
+    def _observe_noise(self, gradients, factor, sample_count, keep):
+        """Hand the noise scale |g|^2 of this micro-batch's mean-loss gradient, from what the
+        window adds (``gradients`` times ``factor``): the gradient of the micro-batch's summed
+        loss, unscaled (the mean's times the sample count), however the caller wrote the loss."""
         to_mean = 1.0 / tf.cast(sample_count, "float32")
-        self._noise.observe(
-            squared * tf.square(to_mean), sample_count, tf.constant(True) if keep is None else keep
-        )
+        squared = squared_norm(gradients, factor)
+        self._noise.observe(squared * tf.square(to_mean), sample_count, keep)
 
     def _weighs(self, sample_count):
         return sample_count is not None and self.reduction is Reduction.mean
@@ -512,11 +540,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 lambda: None,
             )
             apply_now = tf.logical_and(apply_now, tf.logical_and(healthy, self._guard.running()))
-        tf.cond(
-            apply_now,
-            lambda: self._apply_in_replicas(in_each_replica, indices, replicas),
-            lambda: None,
-        )
+
+        def apply():
+            self._apply_in_replicas(in_each_replica, indices, replicas)
+
+        if self.update_compiled_apart and replicas == 1:
+            # Its own XLA computation, reached from a graph (not XLA) conditional: see
+            # update_compiled_apart.
+            apply = tf.function(apply, jit_compile=True)
+        tf.cond(apply_now, apply, lambda: None)
 
     def _clips(self):
         inner = self.inner_optimizer

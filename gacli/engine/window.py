@@ -44,6 +44,19 @@ def _squared_norm_of_rows(values, indices):
     return tf.reduce_sum(tf.square(rows))
 
 
+def squared_norm(gradients, factor):
+    """The squared norm of ``gradients`` (a list, dense or ``tf.IndexedSlices``) times
+    ``factor`` (None: 1), in float32; a sparse one's from its rows only."""
+    sparse = [g for g in gradients if isinstance(g, tf.IndexedSlices)]
+    dense = [g for g in gradients if not isinstance(g, tf.IndexedSlices)]
+    # l2_loss is half the squared norm, in one pass with no squared copy of the gradient.
+    squares = [_squared_norm_of_rows(g.values, g.indices) for g in sparse]
+    if dense:
+        squares.append(2.0 * tf.add_n([tf.nn.l2_loss(tf.cast(g, "float32")) for g in dense]))
+    total = tf.add_n(squares)
+    return total if factor is None else total * tf.square(tf.cast(factor, "float32"))
+
+
 def _scatter_add(variable, rows):
     """Add ``rows`` (IndexedSlices) into ``variable``. By its handle: a ``keras.Variable`` has no
     scatter, and a per-replica (on-read) variable refuses one, but in replica context its handle
@@ -97,30 +110,20 @@ class Window:
             for index, variable in enumerate(variables)
         ]
 
-    def add(self, gradients, factor, keep, squared_norm=False):
+    def add(self, gradients, factor, keep):
         """Add one micro-batch. ``gradients``: {variable index: gradient}; ``factor``: what each
         gradient is multiplied by first (None: 1); ``keep``: a boolean tensor, False to leave the
-        micro-batch out (None: always keep). With ``squared_norm``, returns the squared norm of
-        what was added (before ``keep``), taken from the same products.
+        micro-batch out (None: always keep).
 
         A sparse gradient (``tf.IndexedSlices``, an embedding's) is added row by row with a
         scatter: every cost here is proportional to the micro-batch's rows, never the table's
         (contract row E5)."""
-        mask = [0] * len(self.accumulators)
-        squares = []
         for index, gradient in gradients.items():
-            mask[index] = 1
             accumulator = self.accumulators[index]
             sparse = isinstance(gradient, tf.IndexedSlices)
             contribution = tf.cast(gradient.values if sparse else gradient, accumulator.dtype)
             if factor is not None:
                 contribution = contribution * tf.cast(factor, accumulator.dtype)
-            if squared_norm:
-                squares.append(
-                    _squared_norm_of_rows(contribution, gradient.indices)
-                    if sparse
-                    else tf.reduce_sum(tf.square(tf.cast(contribution, "float32")))
-                )
             if keep is not None:
                 # where, not multiplication: 0 * inf is nan.
                 contribution = tf.where(keep, contribution, tf.zeros_like(contribution))
@@ -128,15 +131,24 @@ class Window:
                 _scatter_add(accumulator, tf.IndexedSlices(contribution, gradient.indices))
             else:
                 accumulator.assign_add(contribution)
-        self.gradient_mask.assign(tf.constant(mask, "int32"))
-        return tf.add_n(squares) if squared_norm and squares else None
 
     def count(self, sample_count, kept):
-        """Count one micro-batch: its samples (None: unweighted), times ``kept`` (1 or 0)."""
+        """Weigh one micro-batch on this replica: its samples (None: unweighted), times ``kept``
+        (1 or 0)."""
         if sample_count is None:
             self.window_unweighted.assign_add(kept)
         else:
             self.window_weight.assign_add(tf.cast(sample_count, "float32") * kept)
+
+    def step(self, indices):
+        """Count one micro-step, whose micro-batch had gradients for the variables at
+        ``indices``. The state written here holds one value for all replicas, so under a
+        strategy it is written where replicas synchronise, never inside a replica's XLA
+        computation (see ``GradientAccumulateOptimizer.close_window``)."""
+        mask = [0] * len(self.accumulators)
+        for index in indices:
+            mask[index] = 1
+        self.gradient_mask.assign(tf.constant(mask, "int32"))
         self.window_micro_steps.assign_add(1)
         self.micro_step.assign_add(1)
 

@@ -491,6 +491,15 @@ def validate(cfg, given=()):
             "strategy=multi_worker (keras-team/keras#20585); use wrapper=auto (the model wrapper, "
             "which works around it)."
         )
+    if cfg.jit_compile and cfg.strategy.name == StrategyName.mirrored and replicas != 1:
+        raise ConfigError(
+            "jit_compile=true fails under strategy=mirrored with several devices: Keras' fit() "
+            "compiles the whole replicated step as one XLA program, and TensorFlow cannot run "
+            'one XLA program on variables held by several devices ("Trying to access resource '
+            '... located in device CPU:1 from device CPU:0", the same on GPUs; '
+            "tensorflow/tensorflow#53140, keras-team/keras#19005). Use jit_compile=false with "
+            "strategy=mirrored, or jit_compile=true on one device (strategy=default)."
+        )
     _validate_batch_choice(cfg)
     _validate_ranges(cfg)
     _refuse_inert_keys(cfg, given)

@@ -16,6 +16,7 @@ from omegaconf import MISSING
 from gacli.engine.options import BatchNormPolicy, NonFinite, PartialWindow
 from gacli.engine.settings import AccumulationConfig
 from gacli.errors import ConfigError, Interrupted  # noqa: F401  (imported from here by callers)
+from gacli.runner.accum_schedule import check_schedule
 
 # The accumulation settings that ga-train shares with the library take the library's defaults;
 # the one that differs, nonfinite, is gacli.runner.train.NONFINITE_WITHOUT_LOSS_SCALING.
@@ -203,6 +204,12 @@ class TrainConfig:
     micro_batch_size: Any = MISSING
     accum_steps: Optional[int] = MISSING  # micro-batches per optimizer update
     effective_batch_size: Optional[int] = None  # micro x accum x replicas
+    # The effective batch over training (gacli.runner.accum_schedule): {epoch: accum_steps from
+    # that epoch on}, or "gns" (grow with the measured noise scale, up to accum_schedule_max).
+    accum_schedule: Any = None
+    accum_schedule_max: Optional[int] = None  # gns: the largest accum_steps (None: the data's)
+    # The learning rate of each stage of accum_schedule, relative to the first stage's.
+    lr_scaling: LRScaling = LRScaling.none
     auto_batch: AutoBatchConfig = field(default_factory=AutoBatchConfig)
     oom: OutOfMemory = OutOfMemory.fail  # an out-of-memory error while training
     wrapper: Wrapper = Wrapper.auto
@@ -461,6 +468,7 @@ def validate(cfg, given=()):
             "which works around it)."
         )
     _validate_batch_choice(cfg)
+    check_schedule(cfg, given)
     _validate_ranges(cfg)
     _refuse_inert_keys(cfg, given)
     if cfg.steps_per_execution is not None and cfg.steps_per_execution < 1:

@@ -30,6 +30,7 @@ from gacli.engine.accumulation import (
 from gacli.engine.batchnorm import apply_batchnorm_policy, plain_batchnorm_layers
 from gacli.engine.options import BatchNormPolicy, NonFinite
 from gacli.engine.precise_batchnorm import PreciseBatchNorm
+from gacli.engine.schedules import ScaledLearningRate
 from gacli.engine.settings import AccumulationConfig
 from gacli.errors import ConfigError, ProcessUnusable, TrainingFailed
 from gacli.rundir import (
@@ -42,7 +43,6 @@ from gacli.rundir import (
     read_json,
     write_json,
 )
-from gacli.engine.schedules import ScaledLearningRate
 from gacli.runner.accum_schedule import AccumSchedule, StageTable, grown_accum_steps
 from gacli.runner.autobatch import find_micro_batch_size, probe_key, probe_lines
 from gacli.runner.config import (
@@ -598,9 +598,7 @@ class Run:
             )
             if self.stages is not None:
                 result["samples_seen"] = self.callbacks.clock.layout.samples_before(micro_steps)
-                result["accum_schedule"] = self.stages.stages(
-                    updates, plan.global_micro_batch_size
-                )
+                result["accum_schedule"] = self.stages.stages(updates, plan.global_micro_batch_size)
             write_json(os.path.join(run_dir, RESULT_FILE), result)
         rows = {key: f"{value:.4f}" for key, value in final.items()}
         rows["updates / micro-batches"] = f"{updates} / {micro_steps}"

@@ -316,8 +316,8 @@ def compose_config(*overrides):
 def ga_train_big_batch_reference(cfg, window, learning_rates=None):
     """The final weights of ga-train's job ``cfg`` (momentum SGD, a constant learning rate)
     trained by plain Keras on one device: one ``train_on_batch`` per ``window`` samples (an int,
-    or one per epoch: an accumulation schedule's stages), at ``learning_rates`` (one per epoch;
-    None: the configured one).
+    or one per epoch: an accumulation schedule's stages), at ``learning_rates``: one per epoch, or
+    a function of (epoch, updates done) giving the next update's; None: the configured one.
 
     ga-train's own model and data (same builder, seed and so initial weights; same training
     split) read in ga-train's order: pass ``p`` over the data is shuffled with that pass's seed
@@ -340,8 +340,9 @@ def ga_train_big_batch_reference(cfg, window, learning_rates=None):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     windows = [window] * cfg.epochs if isinstance(window, int) else list(window)
+    updates = 0
     for epoch in range(cfg.epochs):
-        if learning_rates is not None:
+        if learning_rates is not None and not callable(learning_rates):
             model.optimizer.learning_rate.assign(learning_rates[epoch])
         order = pass_order(
             data.train_size,
@@ -351,7 +352,10 @@ def ga_train_big_batch_reference(cfg, window, learning_rates=None):
         )
         for start in range(0, data.train_size, windows[epoch]):
             batch = order[start : start + windows[epoch]]
+            if callable(learning_rates):
+                model.optimizer.learning_rate.assign(learning_rates(epoch, updates))
             model.train_on_batch(x[batch], y[batch])
+            updates += 1
     return model.get_weights()
 
 

@@ -95,18 +95,30 @@ def test_bad_schedules_are_one_paragraph_and_exit_2_before_tensorflow(
 
 
 # -- stages against the big batch of their size ----------------------------------------------
+def _warmup_then_cosine(updates, peak=0.0125, warmup=10, decay=70):
+    """The configured rate after ``updates`` updates: linear warm-up over 10, then a cosine
+    decay over the remaining 70 of the run's 80 (gacli.engine.schedules.LinearWarmup)."""
+    updates = np.asarray(updates, "float64")
+    return np.where(
+        updates < warmup,
+        peak * (updates + 1) / warmup,
+        peak * 0.5 * (1 + np.cos(np.pi * np.minimum(updates - warmup, decay) / decay)),
+    )
+
+
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
 def test_each_stage_updates_as_the_big_batch_of_its_size(tmp_path, wrapper):
-    """Stages of 32, 64 and 128 samples, the learning rate scaled linearly with them: plain
-    Keras' train_on_batch on windows of those sizes at those rates. The optimizer wrapper
-    weighs every micro-batch the same, so its training set is cut to 1440 = 45 x 32 samples."""
+    """Stages of 32, 64 and 128 samples, a warm-up and cosine decay counted in updates across
+    them, times each stage's linear factor (1, 2, 4): plain Keras' train_on_batch on windows of
+    those sizes at those rates. The optimizer wrapper weighs every micro-batch the same, so its
+    training set is cut to 1440 = 45 x 32 samples."""
     data = ("dataset.validation_split=0.1986",) if wrapper == "optimizer" else ()
-    overrides = (*JOB, *data, SCHEDULE, "lr_scaling=linear", f"wrapper={wrapper}")
+    schedule = ("optimizer.schedule=cosine", "optimizer.warmup_updates=10")
+    overrides = (*JOB, *data, SCHEDULE, "lr_scaling=linear", *schedule, f"wrapper={wrapper}")
     run_dir, result = _run(tmp_path, *overrides)
-    cfg = compose_config(*overrides)
-    learning_rate = cfg.optimizer.learning_rate
+    cfg = compose_config(*(o for o in overrides if o not in schedule))
     reference = ga_train_big_batch_reference(
-        cfg, [32, 64, 128], [learning_rate, 2 * learning_rate, 4 * learning_rate]
+        cfg, [32, 64, 128], lambda epoch, updates: _warmup_then_cosine(updates) * 2**epoch
     )
     measured = record(
         weights_difference(final_weights(run_dir), reference),
@@ -126,8 +138,9 @@ def test_each_stage_updates_as_the_big_batch_of_its_size(tmp_path, wrapper):
     ]
     assert (result["accum_steps"], result["effective_batch_size"]) == (4, 128)
 
-    # TensorBoard: each stage a line of its own, one point an update; the rate logged is the
-    # rate applied; the samples of each epoch's updates add up to the training set.
+    # TensorBoard: each stage a line of its own, one point an update; the samples of each
+    # epoch's updates add up to the training set; optimizer/lr at update u is the rate the next
+    # update applies, the stage's factor included.
     _, events = event_tags(run_dir, every_point=True)
     stage_of_update = np.repeat([1, 2, 4], updates)
     assert scalars(events, "batch/accum_steps") == list(stage_of_update)
@@ -136,8 +149,13 @@ def test_each_stage_updates_as_the_big_batch_of_its_size(tmp_path, wrapper):
     assert [samples[: updates[0]].sum(), samples[updates[0] : 68].sum(), samples[68:].sum()] == [
         train_size
     ] * 3
+    steps = [event.step for event in events.Tensors("optimizer/lr")]
+    assert steps == list(range(1, 81))
     np.testing.assert_allclose(
-        scalars(events, "optimizer/lr"), learning_rate * stage_of_update, rtol=1e-6
+        scalars(events, "optimizer/lr"),
+        _warmup_then_cosine(steps) * stage_of_update,
+        rtol=1e-5,
+        atol=1e-8,
     )
 
 
@@ -202,10 +220,7 @@ def _interrupt_at_checkpoint(process, run_pattern, number, signal_number):
 def test_resume_in_the_middle_of_a_schedule_equals_the_uninterrupted_run(tmp_path):
     """SIGTERM in the second stage (inside a window of 2), then kill -9 in the third: each resume
     goes on at the stage it stopped in, with its learning rate, to the uninterrupted weights."""
-    (tmp_path / "a").mkdir()
-    code, output = ga_train(*RESUMED_JOB, cwd=tmp_path / "a")
-    assert code == 0, output
-    uninterrupted = run_dir_of(output)
+    uninterrupted, _ = _run(tmp_path, *RESUMED_JOB)
 
     cwd = tmp_path / "b"
     cwd.mkdir()

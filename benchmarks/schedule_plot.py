@@ -44,6 +44,7 @@ def run_curves(run_dir):
 
 def plot(runs, out, title):
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -59,8 +60,10 @@ def plot(runs, out, title):
         loss_axis.plot(seen, loss, label=label, linewidth=1)
     batch_axis.set_ylabel("effective batch")
     batch_axis.set_yscale("log", base=2)
+    batch_axis.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     batch_axis.legend(fontsize=8)
-    loss_axis.set_ylabel("training loss (per update)")
+    # Keras' train/loss: the mean over the epoch so far, read at each update.
+    loss_axis.set_ylabel("training loss\n(epoch's running mean)")
     loss_axis.set_yscale("log")
     loss_axis.set_xlabel("samples seen")
     loss_axis.legend(fontsize=8)

@@ -31,10 +31,7 @@ class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
 
     @classmethod
     def from_config(cls, config):
-        after = config["after"]
-        if isinstance(after, dict):
-            after = keras.saving.deserialize_keras_object(after)
-        return cls(after, config["warmup_updates"])
+        return cls(_deserialized(config["after"]), config["warmup_updates"])
 
 
 @keras.saving.register_keras_serializable(package="gacli")
@@ -76,10 +73,12 @@ class ScaledLearningRate(keras.optimizers.schedules.LearningRateSchedule):
 
     @classmethod
     def from_config(cls, config):
-        after = config["after"]
-        if isinstance(after, dict):
-            after = keras.saving.deserialize_keras_object(after)
-        return cls(after, config["scale"])
+        return cls(_deserialized(config["after"]), config["scale"])
+
+
+def _deserialized(after):
+    """A schedule (or float) that a ``get_config`` stored as ``after``."""
+    return keras.saving.deserialize_keras_object(after) if isinstance(after, dict) else after
 
 
 def _evaluate(schedule, step):

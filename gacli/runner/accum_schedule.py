@@ -217,8 +217,9 @@ class AccumSchedule:
         if rule == "none":
             rule = cfg.optimizer.lr_scaling.value
         if schedule == GNS:
-            maximum = cfg.accum_schedule_max or largest
-            return cls(None, accum_steps, min(maximum, largest), rule)
+            # By default the largest power of two whose effective batch fits the training set.
+            maximum = cfg.accum_schedule_max or 2 ** int(math.log2(largest))
+            return cls(None, accum_steps, max(accum_steps, min(maximum, largest)), rule)
         stages = dict(schedule_items(schedule))
         fixed, current = [], accum_steps
         for epoch in range(cfg.epochs):

@@ -246,14 +246,7 @@ class Run:
                 _hparams(cfg, plan, self.job),
                 clock,
             )
-        if self.schedule is not None:
-            self.stages = StageTable(cfg.epochs)
-        self.state = RunState(
-            self.job.model,
-            self.run_dir,
-            self.chief,
-            extra={"accum_schedule": self.stages.module} if self.stages else None,
-        )
+        self.state = self._run_state()
         checkpoint = RunCheckpoint(
             self.state,
             accumulator,
@@ -285,6 +278,13 @@ class Run:
             window_start,
             self.job.fault,
         )
+
+    def _run_state(self):
+        """The run's checkpointed state; under ``accum_schedule``, each epoch's stage in it."""
+        if self.schedule is not None:
+            self.stages = StageTable(self.cfg.epochs)
+        extra = {"accum_schedule": self.stages.module} if self.stages else None
+        return RunState(self.job.model, self.run_dir, self.chief, extra=extra)
 
     @property
     def order(self):

@@ -36,6 +36,8 @@ _LAZY = {
     "apply_batchnorm_policy": "gacli.engine.batchnorm",
     "PreciseBatchNorm": "gacli.engine.precise_batchnorm",
     "BatchNormStatistics": "gacli.engine.precise_batchnorm",
+    "check_equivalence": "gacli.engine.equivalence",
+    "EquivalenceResult": "gacli.engine.equivalence",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -1,6 +1,6 @@
 """What can stop a ``ga-train`` run, and the exit code each ends with.
 
-The exit codes follow one scheme, documented in the README ("When things go wrong"):
+The exit codes follow one scheme, documented in docs/guides/resume.md ("When things go wrong"):
 
 - ``0``: the run finished (``result.json`` written).
 - ``1``: a failure while running: training halted on a non-finite loss or gradient, a file went bad

@@ -13,6 +13,7 @@ restored is decided by :class:`gacli.runner.runstate.RunState`, which reads ever
 check here (an index file with its end marker, every data shard present) only picks candidates.
 """
 
+import contextlib
 import glob
 import json
 import math
@@ -20,6 +21,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import time
 
@@ -187,13 +189,20 @@ def strict_json(value):
 def write_json(path, value):
     """Write ``value`` as strict JSON, atomically: readers see the old file or the whole new one."""
     directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile(
+    handle = tempfile.NamedTemporaryFile(
         "w", dir=directory, prefix=".writing-", suffix=".json", delete=False
-    ) as handle:
-        json.dump(strict_json(value), handle, indent=2, allow_nan=False)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(handle.name, path)
+    )
+    try:
+        with handle:
+            json.dump(strict_json(value), handle, indent=2, allow_nan=False)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(handle.name, path)
+    except BaseException:
+        # A full disk, or an interrupt: no half-written file stays behind under its own name.
+        with contextlib.suppress(OSError):
+            os.remove(handle.name)
+        raise
 
 
 def read_json(path):
@@ -208,10 +217,17 @@ def read_json(path):
 def record_failure(run_dir, exit_code, message):
     """Mark a run that failed while training (its checkpoints stay; it can be resumed)."""
     if os.path.isdir(run_dir) and not os.path.exists(os.path.join(run_dir, RESULT_FILE)):
-        write_json(
-            os.path.join(run_dir, FAILURE_FILE),
-            {"exit_code": exit_code, "error": message, "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
-        )
+        try:
+            write_json(
+                os.path.join(run_dir, FAILURE_FILE),
+                {
+                    "exit_code": exit_code,
+                    "error": message,
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                },
+            )
+        except OSError as error:  # a full disk: the message on the terminal is the record
+            print(f"ga-train: {FAILURE_FILE} could not be written ({error})", file=sys.stderr)
 
 
 # What a new run writes before training starts: Hydra's record of the job, the lock, the

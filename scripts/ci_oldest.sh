@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The oldest pair: the newest patch of the lowest TensorFlow in pyproject.toml, and the lowest
-# Keras there (TensorFlow 2.17 itself accepts keras>=3.2; README, Supported versions, says why
+# Keras there (TensorFlow 2.17 itself accepts keras>=3.2; docs/versions.md says why
 # gacli needs 3.11).
 TENSORFLOW=2.17.1
 KERAS=3.11.0

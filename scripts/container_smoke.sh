@@ -164,12 +164,12 @@ default_user() {
 }
 step "the image's default user is not root" default_user
 
-# --- the default job, as the README runs it ----------------------------------------------------
+# --- the default job, as the container guide runs it -------------------------------------------
 if [ "$(id -u)" -eq 0 ]; then run_as=${GACLI_SMOKE_UID:-4321:4321}; else run_as="$(id -u):$(id -g)"; fi
 run_uid=${run_as%%:*}
 [ "$run_uid" != 0 ] && [ "$run_uid" != 1000 ] || say "note: running as uid $run_uid"
 runs=$work/runs
-# The README's `mkdir -p runs`, made by the user the container runs as.
+# The container guide's `mkdir -p runs`, made by the user the container runs as.
 mkdir -p "$runs"
 chown "$run_as" "$runs"
 

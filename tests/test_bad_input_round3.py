@@ -5,7 +5,9 @@ training, no traceback, nothing of the user's touched."""
 
 import glob
 import os
+import shutil
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -172,3 +174,66 @@ def test_micro_batch_size_auto_on_the_default_job_fits_the_training_set(tmp_path
     code, output = ga_train("micro_batch_size=auto", "epochs=1", "progress=none", cwd=tmp_path)
     assert code == 0, output[-3000:]
     assert "effective batch  1436 = micro_batch_size 359 x accum_steps 4" in output, output
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (
+            "epochs: 2\naccum_steps: 2\nepochs: 3\n",
+            "ga-train: ./my.yaml:6:1: the key 'epochs' is given twice (the first would be "
+            "ignored); keep one of the two lines",
+        ),
+        (
+            "optimizer:\n  learning_rate: 0.1\n  learning_rate: 0.2\n",
+            "ga-train: ./my.yaml:6:3: the key 'learning_rate' is given twice",
+        ),
+        (
+            "precision: mixed_bfloat16\n",
+            "ga-train: config=./my.yaml sets precision: mixed_bfloat16, but precision is a config "
+            "group, chosen in the defaults list: add '- override /precision: mixed_bfloat16'",
+        ),
+    ],
+)
+def test_a_users_yaml_with_a_key_twice_or_a_group_as_a_key(tmp_path, body, expected):
+    (tmp_path / "my.yaml").write_text("defaults:\n  - /train\n  - _self_\n" + body)
+    code, output = ga_train("config=./my.yaml", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert first_error_line(output).startswith(expected), output
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 420 KiB tmpfs: room for the default job's first checkpoint, not its second."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=420k", "tmpfs", str(mount_point)],
+        capture_output=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"could not mount a tmpfs: {done.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_named_as_such_and_the_run_resumes_once_there_is_room(tmp_path, small_disk):
+    # TensorFlow reports a full disk while checkpointing as a resource exhausted: it was taken
+    # for out of device memory ("try micro_batch_size=16"), then failure.json could not be
+    # written either (a traceback) and its 0-byte temporary file stayed.
+    run_dir = small_disk / "run"
+    code, output = ga_train("epochs=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert code == 1 and "Traceback" not in output, output
+    message = [line for line in output.splitlines() if line.startswith("ga-train: ")][-1]
+    assert message.startswith(f"ga-train: the disk of {run_dir} is full ("), message
+    assert "This is disk space, not device memory" in message and "micro_batch_size" not in message
+    assert f"continue with resume={run_dir}" in message
+    assert not glob.glob(str(run_dir / ".writing-*")) and not glob.glob(str(run_dir / ".model-*"))
+    subprocess.run(["mount", "-o", "remount,size=3m", str(small_disk)], check=True)
+    code, output = ga_train("epochs=2", f"resume={run_dir}", cwd=tmp_path)
+    assert code == 0, output
+    assert "resume: from epoch 2, micro-batch 0 of it" in output
+    assert os.path.exists(run_dir / "result.json") and os.path.exists(run_dir / "model.keras")

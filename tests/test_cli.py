@@ -27,7 +27,7 @@ TRAIN_TAGS = {
 
 COMPOSE_CASES = [("config=" + name + ".yaml",) for name in shipped("gacli.recipes")] + [
     (f"{group}={name}",)
-    for group in ("model", "dataset", "optimizer", "precision", "strategy")
+    for group in ("model", "dataset", "optimizer", "precision", "strategy", "check")
     for name in shipped("gacli.configs", group)
 ]
 

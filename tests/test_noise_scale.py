@@ -65,7 +65,7 @@ def test_no_estimate_without_two_batch_sizes():
 def test_ga_train_logs_the_noise_scale_and_says_what_it_means(tmp_path):
     """ga-train with monitor.gns=true: gns/* in TensorBoard (read back), the value in
     result.json, and one line in the summary comparing it with the effective batch. Off by
-    default (it costs the MLP benchmark more than 2%: README)."""
+    default (it costs the MLP benchmark more than 2%: docs/guides/batch-size.md)."""
     code, output = ga_train("epochs=2", "monitor.gns=true", cwd=tmp_path)
     assert code == 0, output
     run_dir = run_dir_of(output)

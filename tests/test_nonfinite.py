@@ -119,11 +119,24 @@ def test_ga_train_stops_on_a_diverging_run_and_names_the_micro_batch(tmp_path):
 
 @pytest.mark.slow
 def test_skip_policies_stay_opt_in_and_result_json_is_strict(tmp_path):
+    # Beyond precision.max_skipped_fraction (0.25) of micro-batches skipped, the run fails: it has
+    # not trained on most of its data (here 12 of 16 micro-batches are skipped).
+    job = ("optimizer.learning_rate=1e30", "epochs=1", "steps_per_epoch=4")
+    code, output = ga_train(*job, "precision.nonfinite=skip_micro_batch", cwd=tmp_path)
+    assert code == 1 and "Traceback" not in output, output
+    assert (
+        "ga-train: training stopped at the end of epoch 1: 12 of its 16 micro-batches so far (75%) "
+        "were skipped because their loss or gradient was not finite (inf or nan), more than "
+        "precision.max_skipped_fraction=0.25"
+    ) in output, output
+    (failed,) = glob.glob(str(tmp_path / "outputs" / "default" / "*"))
+    assert not os.path.exists(os.path.join(failed, "result.json"))
+    assert strict(open(os.path.join(failed, "failure.json")).read())["exit_code"] == 1
+    # Allowed to skip them all, it finishes; nan is written as null in result.json.
     code, output = ga_train(
-        "optimizer.learning_rate=1e30",
-        "epochs=1",
-        "steps_per_epoch=4",
+        *job,
         "precision.nonfinite=skip_micro_batch",
+        "precision.max_skipped_fraction=1",
         cwd=tmp_path,
     )
     assert code == 0, output

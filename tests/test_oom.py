@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gacli.runner.config import BatchPlan
+from gacli.runner.data import load_dataset
 from gacli.runner.oom import WindowStart, position_in, smaller_micro_batch, smaller_plan
 from gacli.runner.throughput import ChangedLayout, MicroBatchLayout
 from gacli.runner.train import train
@@ -132,6 +133,32 @@ def test_recovery_mid_window_ends_with_the_big_batch_weights(tmp_path, monkeypat
     assert measured <= 1e-6
 
 
+def test_after_two_recoveries_the_metrics_describe_the_saved_model(tmp_path, monkeypatch):
+    # One call per window (steps_per_execution follows accum_steps: 8, 16, then 32 micro-batches
+    # a call): the micro-batch halves twice, 16 -> 8 -> 4, in the middle of the first epoch.
+    # Keras kept its evaluate function traced for 8 steps a call, so validation saw only some of
+    # its batches; the epoch's training metrics covered only the micro-batches after the last
+    # recovery; a second halving failed on the clock's layout.
+    cfg = compose_config(*JOB, "epochs=1", "oom=recover")
+    plain_dir, recovered_dir = str(tmp_path / "plain"), str(tmp_path / "recovered")
+    train(cfg, plain_dir)
+    monkeypatch.setenv("GACLI_FAKE_OOM_ABOVE", "4")
+    monkeypatch.setenv("GACLI_FAKE_OOM_FROM_MICRO_STEP", "20")
+    train(cfg, recovered_dir)
+    plain, recovered = (
+        json.load(open(os.path.join(run, "result.json"))) for run in (plain_dir, recovered_dir)
+    )
+    assert (recovered["micro_batch_size"], recovered["accum_steps"]) == (4, 32)
+    assert json.load(open(os.path.join(recovered_dir, "batch_plan.json")))["oom_recoveries"] == 2
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        assert recovered[key] == pytest.approx(plain[key], rel=1e-5), key
+    data = load_dataset(cfg.dataset, cfg.seed)
+    saved = keras.saving.load_model(os.path.join(recovered_dir, "model.keras"))
+    evaluated = saved.evaluate(data.validation.batch(64), verbose=0, return_dict=True)
+    assert evaluated["loss"] == pytest.approx(recovered["val_loss"], rel=1e-5)
+    assert evaluated["accuracy"] == pytest.approx(recovered["val_accuracy"], rel=1e-6)
+
+
 @pytest.mark.slow
 def test_under_xla_the_run_stops_and_resumes_with_the_smaller_micro_batch(tmp_path, plain_keras):
     """XLA leaves the variables unusable after a failed allocation: the run stops (exit 1, no
@@ -167,6 +194,19 @@ def test_without_recover_the_error_says_what_to_type(tmp_path):
     message = [line for line in output.splitlines() if line.startswith("ga-train: ")][-1]
     assert message.startswith("ga-train: Out of device memory at micro_batch_size=16 (OOM when")
     assert "micro_batch_size=8 accum_steps=16" in message and "oom=recover" in message
+
+
+@pytest.mark.slow
+def test_when_nothing_fits_the_error_says_so_without_a_traceback(tmp_path):
+    # Every micro-batch fails: recover halves 2 -> 1, then says that halving cannot help.
+    code, output = ga_train(
+        *JOB, "micro_batch_size=2", "accum_steps=64", "epochs=1", "oom=recover", cwd=tmp_path,
+        env={"GACLI_FAKE_OOM_ABOVE": "0"},
+    )  # fmt: skip
+    assert code == 1 and "Traceback" not in output, output
+    message = [line for line in output.splitlines() if line.startswith("ga-train: ")][-1]
+    assert message.startswith("ga-train: Out of device memory at micro_batch_size=1 (OOM when")
+    assert "not even one sample per micro-batch fits" in message, message
 
 
 def test_bad_settings_are_refused_before_training(tmp_path):

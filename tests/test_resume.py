@@ -2,6 +2,7 @@
 the weights of an uninterrupted run; run directories are never overwritten."""
 
 import glob
+import json
 import os
 import shutil
 import signal
@@ -262,3 +263,27 @@ def test_resume_true_passes_over_runs_with_nothing_to_resume(
     assert run_dir_of(output) == resumable, output
     measured = record(run_difference(resumable, uninterrupted), "test_resume_true_passes_over")
     assert measured <= 1e-6
+
+
+@pytest.mark.slow
+def test_a_run_stopped_after_its_last_checkpoint_resumes_to_the_same_metrics(tmp_path):
+    # Killed after the last epoch's checkpoint, before result.json and model.keras: the resumed
+    # run has nothing left to train, and its metrics are those kept with that checkpoint.
+    code, output = ga_train("epochs=2", "progress=none", cwd=tmp_path)
+    assert code == 0, output
+    run_dir = run_dir_of(output)
+    with open(os.path.join(run_dir, "result.json")) as handle:
+        finished = json.load(handle)
+    os.remove(os.path.join(run_dir, "result.json"))
+    os.remove(os.path.join(run_dir, "model.keras"))
+    # Resuming with the noise scale, which the checkpoints were written without, is refused.
+    code, output = ga_train("epochs=2", "monitor.gns=true", f"resume={run_dir}", cwd=tmp_path)
+    assert code == 2 and "was started without monitor.gns" in output, output
+    assert "Traceback" not in output
+    code, output = ga_train("epochs=2", "progress=none", f"resume={run_dir}", cwd=tmp_path)
+    assert code == 0, output
+    with open(os.path.join(run_dir, "result.json")) as handle:
+        resumed = json.load(handle)
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy", "weights_sha256"):
+        assert resumed[key] == finished[key], key
+    assert os.path.exists(os.path.join(run_dir, "model.keras"))

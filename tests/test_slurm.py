@@ -1,5 +1,5 @@
 """ga-train on a real one-node SLURM cluster (scripts/slurm_local.sh): two srun tasks training
-together, the README's sbatch script requeued in the middle of its run, and Hydra's submitit
+together, the SLURM guide's sbatch script requeued in the middle of its run, and Hydra's submitit
 launcher submitting a sweep and a job of two tasks. Each ends with the weights of the same
 training on one process (plain Keras' big batch, WORKER_JOB of test_distributed_cli)."""
 
@@ -24,7 +24,9 @@ from helpers import (
     weights_difference,
 )
 
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "README.md")
+SLURM_GUIDE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "guides", "distributed.md"
+)
 # The job of test_distributed_cli as 2 workers x micro-batches of 16 (global 32), k=4.
 TWO_TASKS = (*WORKER_JOB, "strategy=multi_worker", "strategy.cluster=slurm")
 
@@ -101,11 +103,11 @@ def test_srun_two_tasks_train_together_as_one_process_would(tmp_path, plain_kera
         assert record(difference, f"test_srun_two_tasks final {key} vs one process") <= 1e-4
 
 
-def test_readme_sbatch_script_requeued_goes_on_to_the_uninterrupted_weights(
+def test_guide_sbatch_script_requeued_goes_on_to_the_uninterrupted_weights(
     tmp_path, plain_keras_weights
 ):
     script = tmp_path / "train.sbatch"
-    script.write_text(readme_sbatch_script())
+    script.write_text(guide_sbatch_script())
     started = time.time()
     submitted = subprocess.run(
         ["sbatch", "--parsable", str(script), *WORKER_JOB, "checkpoint_every_updates=2"],
@@ -244,11 +246,11 @@ def one_process_run(tmp_path):
     return str(tmp_path / "one")
 
 
-def readme_sbatch_script():
-    """The sbatch script of the README's SLURM section, as it stands there."""
-    text = open(README).read()
+def guide_sbatch_script():
+    """The sbatch script of the SLURM guide (docs/guides/distributed.md), as it stands there."""
+    text = open(SLURM_GUIDE).read()
     blocks = re.findall(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", text, re.S)
-    assert len(blocks) == 1, "the README shows one sbatch script"
+    assert len(blocks) == 1, "the SLURM guide shows one sbatch script"
     return blocks[0]
 
 

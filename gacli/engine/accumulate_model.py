@@ -297,7 +297,10 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
             otherwise unchecked).
         loss_normalization: ``"batch"`` (Keras' semantics) or ``"window_weights"``: divide by the
             window's total sample weight, e.g. its unmasked tokens, over all replicas.
-        *args, **kwargs: ``inputs=...``, ``outputs=...``, ``name=...`` as for ``keras.Model``.
+        *args: ``keras.Model``'s positional arguments, after the ones above.
+        config: every setting above at once, as a ``gacli.AccumulationConfig``.
+        **kwargs: ``inputs=...``, ``outputs=...``, ``name=...`` as for ``keras.Model``, and the
+            settings named above.
 
     Example:
         >>> model = GradientAccumulateModel(accum_steps=4, inputs=base.input, outputs=base.output)
@@ -411,8 +414,13 @@ def set_accum_steps(model, accum_steps, steps_per_execution=None, restored=False
         )
     for layer in accum_batchnorm_layers(model):
         layer.accum_steps = optimizer.accum_steps
-    if steps_per_execution is not None:
+    if steps_per_execution is not None and steps_per_execution != model.steps_per_execution:
         model.steps_per_execution = steps_per_execution
+        # Keras keeps its evaluate and predict functions, each traced for the old count of steps
+        # per call, while their data iterators follow the new one: validation would then see
+        # only some of its batches (tests/test_oom.py, the late recovery's val_loss).
+        model.test_function = None
+        model.predict_function = None
     model.make_train_function(force=True)
 
 

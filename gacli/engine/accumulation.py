@@ -130,7 +130,7 @@ def _check_arguments(kwargs, mixed_precision):
 
 def _optimizer_settings(config, kwargs, mixed_precision, **given):
     """The optimizer's AccumulationConfig: ``config``, the arguments given (None: not given) and
-    any other setting in ``kwargs`` (``agc`` is ``use_agc``, the older README's name); loss
+    any other setting in ``kwargs`` (``agc`` is ``use_agc``, the older package's name); loss
     scaling follows the global policy unless set, and turns on the skip of overflows."""
     given = take_agc_alias(given, kwargs.pop("agc", None))
     given.update(pop_settings(kwargs))

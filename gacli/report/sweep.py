@@ -1,10 +1,10 @@
 """The runs of a sweep: found under some paths, each read into one record of what it did.
 
-A run directory is what ``ga-train`` leaves (README, "What a run leaves behind"): Hydra's
-``.hydra/``, ``resolved.yaml``, ``tensorboard/`` and, once finished, ``result.json``. Runs are
-found however they were started: the job folders of a ``-m`` sweep, the runs of a shell loop under
-``outputs/<recipe>/``, or one run. A record's final metrics, updates and host peak memory come from
-``result.json`` when the run finished, from its event files otherwise; everything per update
+A run directory is what ``ga-train`` leaves (docs/guides/resume.md, "What a run leaves behind"):
+Hydra's ``.hydra/``, ``resolved.yaml``, ``tensorboard/`` and, once finished, ``result.json``. Runs
+are found however they were started: the job folders of a ``-m`` sweep, the runs of a shell loop
+under ``outputs/<recipe>/``, or one run. A record's final metrics, updates and host peak memory come
+from ``result.json`` when the run finished, from its event files otherwise; everything per update
 (samples seen, best values, samples/s, device memory) comes from the event files, each update
 counted once (:mod:`gacli.runner.run_logging` writes them, :mod:`gacli.report.run_events` reads them
 back).

@@ -14,7 +14,7 @@ from importlib import metadata, resources
 
 from gacli import rundir
 from gacli.errors import EXIT_USAGE, ConfigError, Interrupted, ProcessUnusable, TrainingFailed
-from gacli.runner.config import FREE_ON_RESUME, GROUPS
+from gacli.runner.config import FREE_ON_RESUME, GROUPS, check_tolerance_argument
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
 _SWEEP_DIR = "multirun/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -27,15 +27,18 @@ _HELP = """ga-train: train a Keras model with exact gradient accumulation.
   ga-train effective_batch_size=256 micro_batch_size=16     any two of the three batch keys
   ga-train -m accum_steps=1,2,4,8              a sweep (Hydra multirun)
   ga-train config=unet.yaml resume=true        continue this command's interrupted run
+  ga-train check=equivalence                   is one accumulated window the big batch's update
+                                               on this job's model? (trains nothing)
 
 Shipped recipes: {recipes}
 Config groups: model={model}  dataset={dataset}
-  optimizer={optimizer}  precision={precision}  strategy={strategy}
+  optimizer={optimizer}  precision={precision}  strategy={strategy}  check={check}
 
 Every key can be overridden as key=value; --cfg job prints the composed config, --info where
-each part of it came from, --version the versions of gacli, TensorFlow and Keras. The README has
-the full config reference, and the exit codes: 0 finished, 1 failed while training (resumable),
-2 bad input (nothing trained), 128+N stopped by signal N.
+each part of it came from, --version the versions of gacli, TensorFlow and Keras. The config
+reference (docs/reference/config.md in the repository) says what every key does. Exit codes:
+0 finished, 1 failed while training (resumable), 2 bad input (nothing trained), 128+N stopped by
+signal N.
 """
 
 _HYDRA_HELP = """ga-train passes these Hydra options through:
@@ -375,6 +378,7 @@ def _check_command_line(argv, launch):
         "--info=all" if a == "--info" else a for a in overrides if a.startswith("-") or "=" not in a
     ]
     check_overrides([a for a in overrides if a not in options and a != "--info"])
+    check_tolerance_argument(overrides)
     from gacli.runner.plugins import check_choices
 
     check_choices(
@@ -464,6 +468,8 @@ def _task(cfg, launch):
         _exit_on(error, run_dir, cfg, launch)
     try:
         metrics = _train(cfg, hydra_config, run_dir, launch)
+        if metrics is None:  # check=equivalence passed: nothing was trained, no objective
+            return None
         name = objective.metric_name(cfg.objective, cfg.dataset.validation_split)
         return objective.value(name, metrics)
     except (ConfigError, TrainingFailed) as error:
@@ -502,6 +508,11 @@ def _train(cfg, hydra_config, run_dir, launch):
         import tensorflow as tf
 
         tf.config.list_physical_devices()  # CUDA's probe, and its messages, happen here
+    if cfg.check.name.value == "equivalence":
+        from gacli.runner.equivalence_check import run_equivalence_check
+
+        run_equivalence_check(cfg, run_dir, given)
+        return None
     from gacli.runner.train import train
 
     return train(cfg, run_dir=run_dir, given=given, parallel_jobs=_parallel_jobs(hydra_config))

@@ -41,8 +41,10 @@ AUTO = "auto"  # micro_batch_size=auto: probe the device for the micro-batch
 
 
 class Wrapper(str, enum.Enum):
-    auto = "auto"
-    model = "model"
+    auto = "auto"  # the model wrapper, and the start-up panel says why
+    model = "model"  # GradientAccumulateModel: each micro-batch's size, each epoch's window closed
+    # GradientAccumulateOptimizer in a plain fit(): every micro-batch weighs the same and windows
+    # run across epochs (exact when the data divides into windows)
     optimizer = "optimizer"
 
 
@@ -82,9 +84,9 @@ class StrategyName(str, enum.Enum):
 
 class Progress(str, enum.Enum):
     auto = "auto"  # a rich progress bar on a terminal, plain lines otherwise
-    rich = "rich"
-    plain = "plain"
-    none = "none"
+    rich = "rich"  # a rich progress bar
+    plain = "plain"  # a line every 10 seconds and at each epoch end, for logs
+    none = "none"  # nothing while training; the start-up panel and summary still print
 
 
 class OutOfMemory(str, enum.Enum):
@@ -117,10 +119,10 @@ class DatasetConfig:
     image_size: int = 32  # shapes; image_folder resize
     channels: int = 1  # shapes; image_folder (1 or 3)
     num_classes: int = 0  # 0: inferred from the data
-    validation_split: float = 0.1
-    shuffle: bool = True
+    validation_split: float = 0.1  # the fraction held out for validation (a seeded split)
+    shuffle: bool = True  # each pass over the training data in its own seeded order
     x_key: str = "x"  # npz
-    y_key: str = "y"  # npz
+    y_key: str = "y"  # npz: labels, or masks of the images' size (then it is segmentation)
     features: Dict[str, Any] = field(default_factory=dict)  # tfrecord: name -> {shape, dtype}
     input_key: str = "image"  # tfrecord feature used as input
     label_key: str = "label"  # tfrecord feature used as target
@@ -133,16 +135,17 @@ class OptimizerConfig:
     learning_rate: float = MISSING  # the optimizer group's file, then configs/train.yaml
     momentum: float = 0.9  # the momentum optimizer's momentum
     weight_decay: float = 0.0  # adamw (decoupled); other optimizers: Keras' weight_decay
-    clipnorm: Optional[float] = None
-    global_clipnorm: Optional[float] = None
-    use_agc: bool = _LIBRARY.use_agc
+    clipnorm: Optional[float] = None  # each gradient's norm, clipped once per update
+    global_clipnorm: Optional[float] = None  # all gradients' norm together, once per update
+    use_agc: bool = _LIBRARY.use_agc  # adaptive gradient clipping, once per update
     clip_factor: float = _LIBRARY.clip_factor
-    use_ema: bool = False
+    use_ema: bool = False  # Keras' moving average of the weights, updated once per update
     schedule: Schedule = Schedule.constant
     warmup_updates: int = 0  # linear warm-up, in optimizer updates
     decay_rate: float = 0.5  # exponential: factor per decay_updates
-    decay_updates: int = 0  # cosine: updates to decay over; exponential: updates per decay_rate;
-    # 0 = the whole run after warm-up
+    # cosine: updates to decay over; exponential: updates per decay_rate; 0 = the whole run after
+    # warm-up
+    decay_updates: int = 0
     lr_scaling: LRScaling = LRScaling.none
     base_batch_size: int = 256  # the batch size learning_rate was tuned for (lr_scaling)
 
@@ -152,6 +155,9 @@ class PrecisionConfig:
     policy: Policy = Policy.fp32
     # None: skip_micro_batch under mixed_float16 (the library's), stop otherwise (ga-train's own)
     nonfinite: Optional[NonFinite] = None
+    # Under a policy that skips: the run fails at an epoch end where more than this share of its
+    # micro-batches (skip_micro_batch) or windows (skip_window) so far was skipped.
+    max_skipped_fraction: float = 0.25
 
 
 class ClusterSource(str, enum.Enum):
@@ -175,7 +181,7 @@ class StrategyConfig:
 class MonitorConfig:
     # The gradient noise scale from the micro-batches: TensorBoard's gns/ tags and a line in the
     # run's summary that compares it with the effective batch. Off by default: it cost the MLP
-    # benchmark more than 2% of its speed (README, "How big should my batch be?").
+    # benchmark more than 2% of its speed (docs/guides/batch-size.md).
     gns: bool = False
 
 
@@ -190,6 +196,19 @@ class AutoBatchConfig:
     timed_calls: int = 2  # compiled calls timed per size, after one that warms up
 
 
+class CheckName(str, enum.Enum):
+    none = "none"  # train
+    equivalence = "equivalence"  # compare one accumulated window with the big batch; no training
+
+
+@dataclass
+class CheckConfig:
+    name: CheckName = CheckName.none
+    # check=equivalence: the largest relative weight difference that passes (None: the contract's,
+    # 1e-6 for SGD and momentum, 1e-5 for adaptive optimizers; docs/guides/equivalence-check.md).
+    tolerance: Optional[float] = None
+
+
 @dataclass
 class TrainConfig:
     config: str = "default"  # the recipe or YAML file this run was composed from
@@ -199,6 +218,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
     # Samples per forward/backward pass, per replica; "auto": the largest that fits the device.
     # The default job's values of these are in configs/train.yaml; null: derived from the others.
     micro_batch_size: Any = MISSING
@@ -216,11 +236,12 @@ class TrainConfig:
     partial_window: PartialWindow = _LIBRARY.partial_window
     batchnorm: BatchNormPolicy = BatchNormPolicy.keep
     precise_bn_micro_batches: int = 200  # batchnorm=precise: training micro-batches pooled
-    epochs: int = MISSING  # configs/train.yaml
+    epochs: int = MISSING  # passes over the training data (the default job's: configs/train.yaml)
     steps_per_epoch: Optional[int] = None  # optimizer updates per epoch (None: one data pass)
-    seed: int = 0
-    jit_compile: bool = False
-    # Micro-batches per compiled call of the train step (None: accum_steps, one window a call).
+    seed: int = 0  # initial weights, data order and dropout: a run with the same seed repeats
+    jit_compile: bool = False  # compile the train step with XLA
+    # Micro-batches per compiled call of the train step (None: accum_steps, one window a call;
+    # 1 for wrapper=optimizer under several replicas, where Keras' own loop over steps fails).
     steps_per_execution: Optional[int] = None
     checkpoint: bool = True  # a checkpoint per epoch in <run dir>/checkpoints, the model at the end
     checkpoint_every_updates: int = 0  # also a checkpoint every N updates (0: epoch ends only)
@@ -241,6 +262,7 @@ GROUPS = {
     "optimizer": OptimizerConfig,
     "precision": PrecisionConfig,
     "strategy": StrategyConfig,
+    "check": CheckConfig,
 }
 
 
@@ -493,11 +515,57 @@ def validate(cfg, given=()):
         )
     if cfg.strategy.logical_cpus < 0:
         raise ConfigError("strategy.logical_cpus must be >= 0 (0: use the devices as they are).")
+    _validate_check(cfg)
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError(
             f"model.factory={cfg.model.factory} must be 'package.module:function', e.g. "
             "model.factory=mypkg.models:build_model."
         )
+
+
+def check_tolerance_argument(assignments):
+    """ConfigError, before Hydra composes, for a ``check.tolerance=`` that is not a number."""
+    for assignment in assignments:
+        key, _, value = assignment.partition("=")
+        if key.lstrip("+~") != "check.tolerance" or value.strip().lower() in ("null", "none"):
+            continue
+        try:
+            float(value)
+        except ValueError:
+            raise ConfigError(
+                f"{assignment}: check.tolerance takes a positive number (the largest relative "
+                "weight difference that passes), e.g. check.tolerance=1e-5; leave it unset for "
+                "the contract's (1e-6 for SGD, 1e-5 for adaptive optimizers)."
+            ) from None
+
+
+def _validate_check(cfg):
+    """``check=equivalence``: a tolerance that is a positive number, and a job it can compare."""
+    tolerance = cfg.check.tolerance
+    if tolerance is not None and not (0 < tolerance < float("inf")):
+        raise ConfigError(
+            f"check.tolerance={tolerance} must be a positive number (the largest relative weight "
+            "difference that passes), e.g. check.tolerance=1e-5; leave it unset for the "
+            "contract's (1e-6 for SGD, 1e-5 for adaptive optimizers)."
+        )
+    if cfg.check.name != CheckName.equivalence:
+        return
+    refused = {
+        "resume": (cfg.resume, "trains nothing, so there is nothing to resume; drop resume="),
+        "precision": (
+            cfg.precision.policy != Policy.fp32,
+            "compares float32 updates (the contract's tolerances are float32 round-off); drop "
+            "precision= or use precision=fp32",
+        ),
+        "optimizer.use_agc": (
+            cfg.optimizer.use_agc,
+            "compares with plain Keras, which has no adaptive gradient clipping; drop "
+            "optimizer.use_agc=true for the check",
+        ),
+    }
+    for key, (given, what_to_do) in refused.items():
+        if given:
+            raise ConfigError(f"check=equivalence with {key}: the check {what_to_do}.")
 
 
 def _validate_batch_choice(cfg):
@@ -562,6 +630,7 @@ _RANGES = {
     "optimizer.decay_updates": (0, None, True, "optimizer.decay_updates=1000"),
     "optimizer.base_batch_size": (1, None, True, "optimizer.base_batch_size=256"),
     "strategy.port": (1, 65535, True, "strategy.port=29500"),
+    "precision.max_skipped_fraction": (0.0, 1.0, True, "precision.max_skipped_fraction=0.25"),
 }
 
 
@@ -621,6 +690,7 @@ _READ_ONLY_BY = {
     "strategy.tpu": ("strategy.name", ("tpu",)),
     "strategy.cluster": ("strategy.name", ("multi_worker",)),
     "strategy.port": ("strategy.cluster", ("slurm",)),
+    "check.tolerance": ("check.name", ("equivalence",)),
 }
 
 

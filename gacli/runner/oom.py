@@ -31,6 +31,8 @@ class WindowStart(keras.callbacks.Callback):
         self.saved = None
         self.count = 0  # recoveries so far
         self._read = None
+        self._kept, self._shadows = [], []
+        self._carried_metrics = None  # (metric variable, value) of the open epoch, after a rewind
 
     def _model_variables(self):
         return [*self.model.non_trainable_variables, *self.model.metrics_variables]
@@ -40,8 +42,18 @@ class WindowStart(keras.callbacks.Callback):
         read of the window's micro-steps and update count: one call a window, two scalars to the
         host (a read per variable cost the digits MLP 40% of its speed)."""
         kept = [*self.accumulator.shared_state, *self._model_variables()]
+        # Made again when Keras adds variables (a compiled metric builds its own in the first
+        # call): what was kept stays kept, and a variable made since the window began was at
+        # its initial zero then.
+        earlier = {id(v): shadow for v, shadow in zip(self._kept, self._shadows)}
         self._kept = kept
-        self._shadows = [tf.Variable(tf.zeros_like(v), trainable=False) for v in kept]
+        self._shadows = [
+            tf.Variable(
+                earlier[id(v)].read_value() if id(v) in earlier else tf.zeros_like(v),
+                trainable=False,
+            )
+            for v in kept
+        ]
         counters = (self.accumulator.window_micro_steps, self.accumulator.optimizer_step)
 
         @tf.function
@@ -61,7 +73,9 @@ class WindowStart(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if not self.accumulator.built:
             return
-        if self._read is None:
+        if self._read is None or len(self._kept) != len(self.accumulator.shared_state) + len(
+            self._model_variables()
+        ):
             self._read = self._reader()
         in_window, updates = self._read()
         if int(in_window):
@@ -80,8 +94,19 @@ class WindowStart(keras.callbacks.Callback):
         self.accumulator.rewind_window(shadows[:engine])
         for variable, value in zip(self._kept[engine:], shadows[engine:]):
             variable.assign(value)
+        # The next fit() resets the metrics when its first epoch begins: the epoch's training
+        # metrics so far are put back then, so that they cover the whole epoch.
+        metrics = {id(v) for v in self.model.metrics_variables}
+        self._carried_metrics = [
+            (v, value) for v, value in zip(self._kept, shadows) if id(v) in metrics
+        ]
         self._read = None  # set_accum_steps makes the train function, and Keras its variables
         return self.saved["position"]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        carried, self._carried_metrics = self._carried_metrics, None
+        for variable, value in carried or ():
+            variable.assign(value)
 
 
 def smaller_micro_batch(micro_batch_size):
@@ -114,16 +139,19 @@ def out_of_memory_message(plan, recover, error):
     """Why a run stopped on an out-of-memory error, and what to type instead."""
     first_line = oom_line(error)
     smaller = smaller_plan(plan)
+    if smaller is None:
+        return (
+            f"Out of device memory at micro_batch_size=1 ({first_line}): not even one sample per "
+            "micro-batch fits, so halving cannot help. Make the job smaller: a smaller model or "
+            "input (the model.* and dataset.image_size settings), precision=mixed_bfloat16 or "
+            "mixed_float16 (half the activation memory), or a device with more memory."
+        )
     advice = (
         f"micro_batch_size={smaller.micro_batch_size} accum_steps={smaller.accum_steps} (the "
         f"same effective batch of {plan.effective_batch_size})"
-        if smaller
-        else "a smaller model or input"
     )
     if recover:
         cause = "and it cannot go back to the window's start (the failed call applied an update)"
-        if smaller is None:
-            cause = "and micro_batch_size=1 cannot be halved"
         return (
             f"Out of device memory at micro_batch_size={plan.micro_batch_size} ({first_line}), "
             f"{cause}. Continue from the last checkpoint with resume=true and {advice}."

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from gacli.errors import ConfigError, Interrupted
-from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, looks_intact
+from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, looks_intact, read_json, write_json
 
 
 def pass_seed(seed, pass_index):
@@ -116,6 +116,9 @@ def micro_batch_stream(dataset, batch_size, micro_batches_per_pass, start, count
     return stream.prefetch(tf.data.AUTOTUNE).with_options(options)
 
 
+EPOCH_LOGS = "epoch_logs.json"  # in checkpoints/: each epoch's final metrics
+
+
 class RunState:
     """The checkpointed state of a run: model, optimizer, epoch and micro-batches done in it."""
 
@@ -203,10 +206,26 @@ class RunState:
         numbers = checkpoint_numbers(self.run_dir)
         return os.path.join(self.directory, f"ckpt-{numbers[0]}") if numbers else None
 
-    def save(self, epoch, micro_batch):
+    def save(self, epoch, micro_batch, logs=None):
+        """A checkpoint at (epoch, micro-batches done in it); ``logs``: the metrics of the epoch
+        that ended there, kept beside it for a run resumed with nothing left to train."""
+        if logs is not None and self.chief:
+            kept = self.epoch_logs()
+            kept[str(epoch)] = {key: float(value) for key, value in logs.items()}
+            write_json(os.path.join(self.directory, EPOCH_LOGS), kept)
         self.epoch.assign(epoch)
         self.micro_batch.assign(micro_batch)
         return self.manager.save()
+
+    def epoch_logs(self, epochs_done=None):
+        """The metrics kept at epoch ends, epochs done (a string) -> {name: value}; with
+        ``epochs_done``, that epoch's metrics only ({} when none were kept)."""
+        try:
+            kept = read_json(os.path.join(self.run_dir, CHECKPOINT_DIR, EPOCH_LOGS))
+        except (OSError, ValueError):  # unreadable: as if none were kept
+            kept = None
+        kept = kept if isinstance(kept, dict) else {}
+        return kept if epochs_done is None else dict(kept.get(str(epochs_done), {}))
 
     def close(self):
         if self._scratch:
@@ -324,7 +343,7 @@ class RunCheckpoint(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self.offset = 0
         if self.save:
-            self.state.save(epoch + 1, 0)
+            self.state.save(epoch + 1, 0, logs=logs)
         if self.signals.received is not None:
             self._stop(f"the end of epoch {epoch + 1}", saved=self.save)
 

@@ -78,8 +78,8 @@ def make_strategy(cfg):
             raise ConfigError(
                 "strategy=multi_worker reads the cluster from the TF_CONFIG environment variable, "
                 'which is not set; e.g. TF_CONFIG=\'{"cluster": {"worker": ["host1:12345", '
-                '"host2:12345"]}, "task": {"type": "worker", "index": 0}}\' (the README '
-                "shows Kubernetes and SLURM)."
+                '"host2:12345"]}, "task": {"type": "worker", "index": 0}}\' '
+                "(docs/guides/distributed.md shows Kubernetes and SLURM)."
             )
         try:
             json.loads(config)

@@ -54,6 +54,7 @@ class ChangedLayout:
 
     def __init__(self, before, at, global_micro_batch_size):
         self.before, self.at = before, int(at)
+        self.train_size = before.train_size  # ``before`` may itself be one (a second recovery)
         self.after = MicroBatchLayout(before.train_size, global_micro_batch_size)
         self.offset = self.after.index_of(before.samples_before(at)) - self.at
 

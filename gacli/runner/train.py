@@ -9,6 +9,7 @@ result. The functions around it take what they use, and can be run one by one.
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import logging
@@ -72,12 +73,13 @@ from gacli.runner.runstate import (
     micro_batch_stream,
     scratch_or,
 )
+from gacli.runner.skip_budget import SkipBudget
 from gacli.runner.strategy import is_multi_worker, make_strategy
 from gacli.runner.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
 
-# ga-train's one default that differs from the library's (README, "Options"): without loss
-# scaling a non-finite gradient stops the run, so that a nan never reaches the weights unnoticed;
-# the library leaves it unchecked there.
+# ga-train's one default that differs from the library's (docs/getting-started.md, "Options"):
+# without loss scaling a non-finite gradient stops the run, so that a nan never reaches the weights
+# unnoticed; the library leaves it unchecked there.
 NONFINITE_WITHOUT_LOSS_SCALING = NonFinite.stop
 
 _KERAS_POLICY = {
@@ -157,9 +159,13 @@ class Run:
             try:
                 self.restore()
                 self.fit()
+                return self.save_results()
+            except (OSError, tf.errors.OpError) as error:
+                if not disk_full(error):
+                    raise
+                raise TrainingFailed(disk_full_message(self.run_dir, error)) from None
             finally:
                 self.close()
-            return self.save_results()
 
     def check_run_dir(self):
         """Refuse an unusable run directory before anything is built."""
@@ -269,6 +275,9 @@ class Run:
         window_start = None
         if cfg.oom == OutOfMemory.recover:
             window_start = WindowStart(accumulator, lambda: (checkpoint.epoch, checkpoint.done))
+        skip_budget = None
+        if accumulator.nonfinite is not NonFinite.stop:
+            skip_budget = SkipBudget(accumulator, plan.replicas, cfg.precision.max_skipped_fraction)
         self.callbacks = RunCallbacks(
             clock,
             progress,
@@ -277,6 +286,7 @@ class Run:
             precise_batchnorm,
             window_start,
             self.job.fault,
+            skip_budget,
         )
 
     def _run_state(self):
@@ -355,6 +365,8 @@ class Run:
                     self.history = self._fit_from_position()
                     return
                 except tf.errors.ResourceExhaustedError as error:
+                    if disk_full(error):  # TensorFlow reports a full disk as exhausted too
+                        raise
                     self._recover(error)
 
     def _fit_from_position(self):
@@ -400,8 +412,19 @@ class Run:
             for key, values in segment.history.items():
                 history.setdefault(key, []).extend(values)
         if not history:
-            # Resumed after the last epoch's checkpoint: only the end of training is left.
+            # Resumed after the last epoch's checkpoint: only the end of training is left, and
+            # the last epoch's metrics are the ones kept with its checkpoint.
             job.model.optimizer.finalize_variable_values(job.model.trainable_variables)
+            history = {key: [value] for key, value in self.state.epoch_logs(cfg.epochs).items()}
+            if not history and data.validation is not None:
+                # Kept by an older gacli without them: the validation metrics are measured again
+                # on the final weights (the training ones cannot be).
+                history = {
+                    f"val_{key}": [value]
+                    for key, value in job.model.evaluate(
+                        validation, verbose=0, return_dict=True
+                    ).items()
+                }
         return history
 
     def _enter_stage(self, epoch, restored=False):
@@ -484,9 +507,9 @@ class Run:
 
     def _stop_for_resume(self, smaller, error):
         """Under XLA an out-of-memory error leaves the variables unusable (TensorFlow 2.21 frees
-        their memory when the compiled program fails to allocate: README.md, "Out of memory in
-        the middle of a run"), so the run stops; the smaller plan is recorded for resume=true,
-        which goes on from the last checkpoint."""
+        their memory when the compiled program fails to allocate: docs/guides/batch-size.md, "Out
+        of memory in the middle of a run"), so the run stops; the smaller plan is recorded for
+        resume=true, which goes on from the last checkpoint."""
         plan = self.plan
         saved = self.plan_file.read() or {}
         self.plan_file.write(
@@ -574,7 +597,12 @@ class Run:
             # Every worker saves (reading the accumulators is a collective); only the chief keeps
             # it. Written under another name first: a model.keras that exists is a whole one.
             path = scratch_or(os.path.join(run_dir, ".model-writing.keras"), chief)
-            model.save(path)
+            try:
+                model.save(path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(path)  # a disk that filled up: no half-written model stays
+                raise
             if chief:
                 os.replace(path, os.path.join(run_dir, "model.keras"))
             else:
@@ -617,6 +645,26 @@ class Run:
         return final
 
 
+def disk_full(error):
+    """Whether ``error`` (an OSError, or TensorFlow's, which reports ENOSPC as a resource
+    exhausted) is a full disk."""
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOSPC
+    return "No space left on device" in str(error)
+
+
+def disk_full_message(run_dir, error):
+    """Why a run stopped on a full disk, and what to do."""
+    free = shutil.disk_usage(run_dir).free if os.path.isdir(run_dir) else 0
+    return (
+        f"the disk of {run_dir} is full ({free / 2**20:.1f} MiB free; "
+        f"{str(error).splitlines()[0][:160]}). This is disk space, not device memory. Free some "
+        "space on it, then continue with resume="
+        f"{run_dir}: the checkpoints written whole are kept and a half-written one is passed "
+        "over. Or start again with hydra.run.dir on a disk with room."
+    )
+
+
 @dataclasses.dataclass
 class RunCallbacks:
     """The callbacks a :class:`Run` made, each by its name; ``None`` where the job has none."""
@@ -628,6 +676,7 @@ class RunCallbacks:
     precise_batchnorm: object = None  # batchnorm=precise
     window_start: WindowStart | None = None  # oom=recover
     fault: object = None  # GACLI_FAKE_OOM_ABOVE's (gacli.runner.faults)
+    skip_budget: SkipBudget | None = None  # a non-finite policy that skips
 
     @functools.cached_property
     def in_order(self):
@@ -635,9 +684,16 @@ class RunCallbacks:
         neither logged nor saved; the model wrappers' fit() would add them too, a plain model's
         would not); then the clock before the readers of its time; the precise batch-norm
         statistics after the callbacks that close an epoch's window, so that they see its last
-        update; the checkpoint; the window start and the fault last."""
+        update; the skip budget, which fails a run before its epoch is saved; the checkpoint;
+        the window start and the fault last."""
         reporting = [self.clock, *self.reporters()]
-        later = (self.precise_batchnorm, self.checkpoint, self.window_start, self.fault)
+        later = (
+            self.precise_batchnorm,
+            self.skip_budget,
+            self.checkpoint,
+            self.window_start,
+            self.fault,
+        )
         accumulator = self.clock.accumulator
         return accumulation_callbacks(accumulator, reporting) + [c for c in later if c is not None]
 
@@ -770,6 +826,12 @@ def _guard_run_dir(cfg, run_dir):
             {k: v for k, v in before.items() if k not in FREE_ON_RESUME + ("resolved",)},
             {k: v for k, v in now.items() if k not in FREE_ON_RESUME},
         )
+        if now["monitor"]["gns"] and not before.get("monitor", {}).get("gns", False):
+            raise ConfigError(
+                f"resume: {run_dir} was started without monitor.gns, so its checkpoints hold no "
+                "noise-scale state to go on from. Resume without monitor.gns=true (the noise "
+                "scale can be measured in a new run), or start a new run with it."
+            )
         if changed:
             shown = ", ".join(f"{key}={old!r} (now {new!r})" for key, old, new in changed[:4])
             raise ConfigError(

@@ -52,8 +52,8 @@ def unknown_key(key):
     hint = f"did you mean {close[0]}? " if close else ""
     return (
         f"{key} is not a key ga-train reads, so setting it would change nothing; {hint}"
-        "ga-train --cfg job lists every key with its value, and the README's config "
-        "reference says what each does."
+        "ga-train --cfg job lists every key with its value, and the config reference "
+        "(docs/reference/config.md) says what each does."
     )
 
 
@@ -76,15 +76,28 @@ def _walk(mapping, prefix=""):
             yield from _walk(value, dotted + ".")
 
 
-def check_user_yaml(path, shown, group_options):
-    """ConfigError, naming ``shown`` (the path as given) and the line, for a user's YAML that is
-    not valid YAML, is empty, does not start from gacli's defaults, or sets keys nothing reads.
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that refuses a key given twice in one mapping (PyYAML keeps the last,
+    so the first would be silently ignored)."""
 
-    ``group_options``: {group: names of its shipped files}, e.g. {"dataset": ["digits", ...]}.
-    """
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice (the first would be ignored)",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_user_yaml(path, shown):
+    """The content of a user's YAML file; ConfigError, naming the line, when it cannot be read."""
     try:
         with open(path) as handle:
-            content = yaml.safe_load(handle)
+            content = yaml.load(handle, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as error:
         # The context mark is where the unfinished construct began (an unclosed [ on line 2);
         # the problem mark, where the parser gave up (often the end of the file).
@@ -92,6 +105,10 @@ def check_user_yaml(path, shown, group_options):
         where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark else shown
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         context = getattr(error, "context", None)
+        if "given twice" in problem:
+            raise ConfigError(
+                f"{where}: {problem}; keep one of the two lines, with the value you mean."
+            ) from None
         raise ConfigError(
             f"{where}: not valid YAML ({context + ': ' if context else ''}{problem}). Fix that "
             "line: a common cause is an unclosed [ or {, a tab used for indenting, or a "
@@ -99,6 +116,16 @@ def check_user_yaml(path, shown, group_options):
         ) from None
     except OSError as error:
         raise ConfigError(f"config={shown} cannot be read: {error.strerror or error}.") from None
+    return content
+
+
+def check_user_yaml(path, shown, group_options):
+    """ConfigError, naming ``shown`` (the path as given) and the line, for a user's YAML that is
+    not valid YAML, is empty, does not start from gacli's defaults, or sets keys nothing reads.
+
+    ``group_options``: {group: names of its shipped files}, e.g. {"dataset": ["digits", ...]}.
+    """
+    content = _read_user_yaml(path, shown)
     if not isinstance(content, dict):
         raise ConfigError(
             f"config={shown} is {'empty' if content is None else 'not a mapping of keys'}; a "
@@ -119,6 +146,14 @@ def check_user_yaml(path, shown, group_options):
     }
     for group in GROUPS:
         chosen = content.get(group)
+        if isinstance(chosen, str) and group not in overridden:
+            # precision: mixed_bfloat16 as a plain key: OmegaConf would say "str is not a
+            # subclass of PrecisionConfig".
+            raise ConfigError(
+                f"config={shown} sets {group}: {chosen}, but {group} is a config group, chosen in "
+                f"the defaults list: add '- override /{group}: {chosen}' to it (before _self_) "
+                f"and drop the {group}: line (or give {group}={chosen} on the command line)."
+            )
         name = chosen.get("name") if isinstance(chosen, dict) else None
         if name in group_options.get(group, ()) and group not in overridden:
             # model.name / dataset.name pick the builder, but the settings come from the group's

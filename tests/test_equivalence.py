@@ -1,0 +1,328 @@
+"""The equivalence self-check (contract Q1): ``gacli.check_equivalence`` and
+``ga-train check=equivalence`` pass exactly when one accumulated window equals one big-batch
+update, name the layers and the kind of cause when it does not, and leave the user's model,
+optimizer and random state as they were."""
+
+import json
+import os
+import random
+
+import keras
+import numpy as np
+import pytest
+
+import gacli
+from gacli.engine.equivalence import EquivalenceInputError
+from helpers import FEATURES, embedding_model, ga_train, make_data, record, run_dir_of, token_data
+
+
+def mlp(extra=None, seed=0):
+    """A small MLP; ``extra`` adds a layer after the hidden one (Dropout, BatchNormalization)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    if extra is not None:
+        hidden = extra(hidden)
+    return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+def compiled(model, optimizer=None, loss="mse"):
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01), loss=loss)
+    return model
+
+
+X, Y = make_data(96)
+
+
+def sgd_momentum():
+    return keras.optimizers.SGD(0.1, momentum=0.9)  # momentum: optimizer state of its own
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize(
+    "optimizer, tolerance",
+    [
+        (lambda: keras.optimizers.SGD(0.1, momentum=0.9), 1e-6),
+        (lambda: keras.optimizers.Adam(0.01), 1e-5),
+    ],
+)
+def test_q1_passes_on_an_exact_model_with_both_wrappers_and_wrap_model(optimizer, tolerance):
+    results = [
+        gacli.check_equivalence(
+            compiled(mlp(), optimizer()), X, Y, accum_steps=4, micro_batch_size=16, wrapper=wrapper
+        )
+        for wrapper in ("model", "optimizer")
+    ]
+    # A model made with wrap_model, and a plain one compiled with the optimizer wrapper: each
+    # is checked with the wrapper it uses and its own accum_steps.
+    wrapped = gacli.wrap_model(mlp(), accum_steps=3)
+    wrapped.compile(optimizer=optimizer(), loss="mse")
+    plain = mlp()
+    plain.compile(
+        optimizer=gacli.GradientAccumulateOptimizer(optimizer(), accum_steps=2), loss="mse"
+    )
+    results += [gacli.check_equivalence(m, X, Y, micro_batch_size=16) for m in (wrapped, plain)]
+    # A short last micro-batch (E2): 56 samples, the fourth micro-batch holds 8.
+    results.append(
+        gacli.check_equivalence(
+            compiled(mlp(), optimizer()),
+            X,
+            Y,
+            accum_steps=4,
+            micro_batch_size=16,
+            window_samples=56,
+        )
+    )
+    assert [r.window["wrapper"] for r in results] == [
+        "model",
+        "optimizer",
+        "model",
+        "optimizer",
+        "model",
+    ]
+    assert [r.window["accum_steps"] for r in results] == [4, 4, 3, 2, 4]
+    for result in results:
+        assert result.passed, str(result)
+        assert result.tolerance == tolerance
+        assert record(result.max_abs_diff) <= tolerance
+        assert result.max_abs_diff > 0 or result.window["accum_steps"] == 1
+        assert len(result.variables) == 4 and not result.causes
+        assert "EQUIVALENT" in str(result) and "dense" in str(result)
+
+
+@pytest.mark.exactness
+def test_q1_passes_on_an_embedding_model_and_a_dataset():
+    import tensorflow as tf
+
+    x, y = token_data(64)
+    model = compiled(embedding_model(), keras.optimizers.Adam(0.01))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
+    result = gacli.check_equivalence(model, dataset, accum_steps=4, micro_batch_size=16)
+    assert result.passed, str(result)
+    assert result.window["samples"] == 64
+    assert record(result.max_abs_diff) <= 1e-5
+    assert any(v.kind == "Embedding" for v in result.variables)
+
+
+def test_q1_dropout_fails_names_it_and_the_rest_is_exact():
+    model = compiled(mlp(lambda h: keras.layers.Dropout(0.3, name="my_dropout")(h)), sgd_momentum())
+    result = gacli.check_equivalence(model, X, Y, accum_steps=4, micro_batch_size=16)
+    assert not result.passed
+    assert record(result.max_abs_diff) > 1e-4
+    kinds = {cause.kind: cause for cause in result.causes}
+    assert kinds["dropout and other random layers"].layers == ["my_dropout"]
+    assert "within tolerance" in kinds["the rest, re-checked"].why
+    assert "my_dropout" in str(result) and "NOT EQUIVALENT" in str(result)
+
+
+def test_q1_batch_norm_fails_names_it_and_freeze_is_exact():
+    def model():
+        return compiled(
+            mlp(lambda h: keras.layers.BatchNormalization(name="my_bn")(h)), sgd_momentum()
+        )
+
+    result = gacli.check_equivalence(model(), X, Y, accum_steps=4, micro_batch_size=16)
+    assert not result.passed
+    (cause, rest) = result.causes
+    assert cause.kind == "batch normalisation" and cause.layers == ["my_bn"]
+    assert "batchnorm=freeze" in cause.why and "within tolerance" in rest.why
+    failing = {v.name for v in result.failing}
+    assert {"my_bn/moving_mean", "my_bn/moving_variance"} <= failing
+    frozen = gacli.check_equivalence(
+        model(), X, Y, accum_steps=4, micro_batch_size=16, batchnorm="freeze"
+    )
+    assert frozen.passed, str(frozen)
+    assert record(frozen.max_abs_diff) <= 1e-6
+
+
+@pytest.mark.parametrize("optimizer", [keras.optimizers.SGD, keras.optimizers.Adam])
+def test_q1_a_loss_divided_by_its_own_token_count_fails(optimizer):
+    """The planted bug: a masked sequence loss divided by the tokens of its own call, so a
+    micro-batch with few tokens weighs as much as one with many. (Adam's first update keeps
+    little more than each gradient's sign; the window's gradient is compared too.)"""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6, FEATURES)).astype("float32")
+    lengths = rng.integers(1, 7, size=64)
+    mask = (np.arange(6)[None, :] < lengths[:, None]).astype("float32")
+    y = np.concatenate([rng.normal(size=(64, 6, 1)), mask[..., None]], axis=-1).astype("float32")
+
+    def per_call_token_mean(y_true, y_pred):
+        target, tokens = y_true[..., :1], y_true[..., 1:]
+        return keras.ops.sum(tokens * (y_pred - target) ** 2) / keras.ops.sum(tokens)
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, FEATURES))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(8, "tanh")(inputs)))
+    model.compile(optimizer=optimizer(0.01), loss=per_call_token_mean)
+    result = gacli.check_equivalence(model, x, y, accum_steps=4, micro_batch_size=16)
+    assert not result.passed
+    largest = result.max_abs_diff if optimizer is keras.optimizers.SGD else result.max_gradient_diff
+    assert record(largest) > 1e-4
+    (cause,) = result.causes
+    assert cause.kind == "loss normalised per call"
+    assert cause.layers == ["per_call_token_mean"]
+    assert "window_weights" in cause.why
+
+
+def test_q1_the_users_model_optimizer_and_random_state_are_unchanged():
+    model = compiled(mlp(lambda h: keras.layers.Dropout(0.3)(h)), sgd_momentum())
+    model.train_on_batch(X[:32], Y[:32])  # optimizer state (moments, iterations) and a used seed
+    random.seed(7)
+    np.random.seed(7)
+    before = {
+        "model": [v.numpy().copy() for v in model.variables],  # weights and the dropout seed
+        "optimizer": [v.numpy().copy() for v in model.optimizer.variables],
+        "python": random.getstate(),
+        "numpy": np.random.get_state()[1].copy(),
+    }
+    result = gacli.check_equivalence(model, X, Y, accum_steps=4, micro_batch_size=16)
+    assert not result.passed  # the check trained and re-ran copies of everything
+    after = [v.numpy() for v in model.variables]
+    assert all(np.array_equal(a, b) for a, b in zip(before["model"], after, strict=True))
+    optimizer = [v.numpy() for v in model.optimizer.variables]
+    assert all(np.array_equal(a, b) for a, b in zip(before["optimizer"], optimizer, strict=True))
+    assert random.getstate() == before["python"]
+    assert np.array_equal(np.random.get_state()[1], before["numpy"])
+    assert "within tolerance" in result.causes[-1].why
+
+
+@pytest.mark.parametrize(
+    "case, settings, first_words",
+    [
+        ("not built", {}, "the model 'sequential' is not built"),
+        ("not compiled", {}, "the model 'functional"),
+        ("too little data", {"micro_batch_size": 64}, "the data holds 96 samples"),
+        ("tolerance zero", {"tolerance": 0}, "tolerance=0 must be a positive number"),
+        ("tolerance text", {"tolerance": "small"}, "tolerance='small' must be"),
+        ("tolerance nan", {"tolerance": float("nan")}, "tolerance=nan must be"),
+    ],
+)
+def test_bad_input_is_one_paragraph_saying_what_to_give(case, settings, first_words):
+    if case == "not built":
+        model = keras.Sequential([keras.layers.Dense(1)], name="sequential")
+        model.compile(optimizer="sgd", loss="mse")
+    elif case == "not compiled":
+        model = mlp()
+    else:
+        model = compiled(mlp())
+    arguments = {"accum_steps": 4, "micro_batch_size": 16, **settings}
+    with pytest.raises(EquivalenceInputError) as error:
+        gacli.check_equivalence(model, X, Y, **arguments)
+    message = str(error.value)
+    assert message.startswith(first_words) and "\n" not in message
+    assert any(word in message for word in ("e.g.", "Give", "pass", "Build", "Compile"))
+
+
+def _check_output(run_dir):
+    with open(os.path.join(run_dir, "equivalence.json")) as handle:
+        record_ = json.load(handle)
+    assert not os.path.exists(os.path.join(run_dir, "result.json"))
+    assert not os.path.exists(os.path.join(run_dir, "model.keras"))
+    assert not os.path.exists(os.path.join(run_dir, "checkpoints"))
+    return record_
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("optimizer, tolerance", [("adam", 1e-5), ("sgd", 1e-6)])
+def test_ga_train_check_passes_on_the_default_job(tmp_path, optimizer, tolerance):
+    code, output = ga_train("check=equivalence", f"optimizer={optimizer}", cwd=tmp_path)
+    assert code == 0, output
+    saved = _check_output(run_dir_of(output))
+    assert saved["passed"] and saved["tolerance"] == tolerance
+    assert saved["window"] == {
+        "samples": 128,
+        "accum_steps": 4,
+        "micro_batch_size": 32,
+        "replicas": 1,
+        "wrapper": "model",
+        "optimizer": {"adam": "Adam", "sgd": "SGD"}[optimizer],
+    }
+    assert record(saved["max_abs_diff"]) <= tolerance
+    assert len(saved["variables"]) == 6 and all(v["passed"] for v in saved["variables"])
+    assert "EQUIVALENT: 4 micro-batches of 32 (128 samples)" in output
+    assert "logits/kernel" in output  # the table
+
+
+@pytest.mark.distributed
+@pytest.mark.exactness
+def test_ga_train_check_under_two_replicas_against_the_single_device_big_batch(tmp_path):
+    code, output = ga_train(
+        "check=equivalence",
+        "strategy=mirrored",
+        "strategy.logical_cpus=2",
+        "micro_batch_size=16",
+        "optimizer=sgd",
+        cwd=tmp_path,
+    )
+    assert code == 0, output
+    saved = _check_output(run_dir_of(output))
+    assert saved["passed"] and saved["window"]["replicas"] == 2
+    assert saved["window"]["samples"] == 128
+    assert record(saved["max_abs_diff"]) <= 1e-6 and saved["tolerance"] == 1e-6
+
+
+@pytest.mark.slow
+def test_ga_train_check_fails_on_dropout_with_exit_1_and_names_it(tmp_path):
+    code, output = ga_train(
+        "check=equivalence",
+        "model.dropout=0.3",
+        "optimizer=sgd",
+        "check.tolerance=1e-5",
+        cwd=tmp_path,
+    )
+    assert code == 1, output
+    saved = _check_output(run_dir_of(output))
+    assert not saved["passed"] and saved["tolerance"] == 1e-5
+    assert saved["tolerance_source"] == "as given"
+    assert [c["kind"] for c in saved["causes"]][0] == "dropout and other random layers"
+    assert "NOT EQUIVALENT" in output and "dropout" in output.lower()
+    assert output.rstrip().splitlines()[-1].startswith("ga-train: NOT EQUIVALENT")
+
+
+@pytest.mark.parametrize(
+    "arguments, first_line",
+    [
+        (["check=equivalence", "check.tolerance=0"], "ga-train: check.tolerance=0.0 must be"),
+        (["check=equivalence", "check.tolerance=-1e-6"], "ga-train: check.tolerance=-1e-06 must"),
+        (["check=equivalence", "check.tolerance=nan"], "ga-train: check.tolerance=nan must be"),
+        (["check=equivalence", "check.tolerance=small"], "ga-train: check.tolerance=small: check"),
+        (["check.tolerance=1e-5"], "ga-train: check.tolerance is read only with check=equivalence"),
+        (
+            ["check=equivalence", "precision=mixed_float16"],
+            "ga-train: check=equivalence with precision",
+        ),
+    ],
+)
+def test_ga_train_check_bad_input_exits_2_with_one_paragraph(tmp_path, arguments, first_line):
+    code, output = ga_train(*arguments, cwd=tmp_path)
+    assert code == 2, output
+    errors = [line for line in output.splitlines() if line.startswith("ga-train:")]
+    assert errors and errors[0].startswith(first_line), output
+    assert "Traceback" not in output
+
+
+class PenalisedStep(keras.Model):
+    """A functional model whose own train_step adds a penalty the compiled loss does not have."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            loss += 0.1 * tf.add_n([tf.reduce_sum(w**2) for w in self.trainable_weights])
+        gradients = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply(gradients, self.trainable_weights)
+        return {"loss": loss}
+
+
+def test_q1_a_custom_train_step_is_named():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    model = PenalisedStep(inputs, keras.layers.Dense(1)(keras.layers.Dense(8)(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    result = gacli.check_equivalence(model, X, Y, accum_steps=4, micro_batch_size=16)
+    assert not result.passed
+    assert record(result.max_abs_diff) > 1e-4
+    assert [cause.kind for cause in result.causes] == ["custom train_step"]
+    assert result.causes[0].layers == ["PenalisedStep"]

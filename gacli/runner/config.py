@@ -64,8 +64,8 @@ class Schedule(str, enum.Enum):
 
 class LRScaling(str, enum.Enum):
     none = "none"
-    linear = "linear"  # lr * effective_batch_size / base_batch_size (Goyal et al. 2017)
-    sqrt = "sqrt"  # lr * sqrt(effective_batch_size / base_batch_size)
+    linear = "linear"  # lr * effective batch / reference batch (Goyal et al. 2017)
+    sqrt = "sqrt"  # lr * sqrt(effective batch / reference batch)
 
 
 class Policy(str, enum.Enum):
@@ -146,6 +146,8 @@ class OptimizerConfig:
     # cosine: updates to decay over; exponential: updates per decay_rate; 0 = the whole run after
     # warm-up
     decay_updates: int = 0
+    # The older rule: the reference batch is base_batch_size, every stage of accum_schedule too.
+    # Only one of it and the top-level lr_scaling may be set.
     lr_scaling: LRScaling = LRScaling.none
     base_batch_size: int = 256  # the batch size learning_rate was tuned for (lr_scaling)
 
@@ -224,11 +226,12 @@ class TrainConfig:
     micro_batch_size: Any = MISSING
     accum_steps: Optional[int] = MISSING  # micro-batches per optimizer update
     effective_batch_size: Optional[int] = None  # micro x accum x replicas
-    # The effective batch over training (gacli.runner.accum_schedule): {epoch: accum_steps from
-    # that epoch on}, or "gns" (grow with the measured noise scale, up to accum_schedule_max).
+    # The effective batch over training: {epoch: accum_steps from that epoch on}, or "gns" (grow
+    # with the measured noise scale, monitor.gns=true, up to accum_schedule_max).
     accum_schedule: Any = None
-    accum_schedule_max: Optional[int] = None  # gns: the largest accum_steps (None: the data's)
-    # The learning rate of each stage of accum_schedule, relative to the first stage's.
+    # gns: the largest accum_steps (None: the largest power of two the training set allows).
+    accum_schedule_max: Optional[int] = None
+    # The learning rate of each stage of accum_schedule, the reference batch its first stage's.
     lr_scaling: LRScaling = LRScaling.none
     auto_batch: AutoBatchConfig = field(default_factory=AutoBatchConfig)
     oom: OutOfMemory = OutOfMemory.fail  # an out-of-memory error while training
@@ -489,8 +492,7 @@ def validate(cfg, given=()):
             "strategy=multi_worker (keras-team/keras#20585); use wrapper=auto (the model wrapper, "
             "which works around it)."
         )
-    _validate_batch_choice(cfg)
-    check_schedule(cfg, given)
+    _validate_batch_choice(cfg, given)
     _validate_ranges(cfg)
     _refuse_inert_keys(cfg, given)
     if cfg.steps_per_execution is not None and cfg.steps_per_execution < 1:
@@ -568,8 +570,9 @@ def _validate_check(cfg):
             raise ConfigError(f"check=equivalence with {key}: the check {what_to_do}.")
 
 
-def _validate_batch_choice(cfg):
-    """``auto_batch`` and ``oom``."""
+def _validate_batch_choice(cfg, given=()):
+    """``accum_schedule`` (and its ``lr_scaling``), ``auto_batch`` and ``oom``."""
+    check_schedule(cfg, given)
     auto = cfg.auto_batch
     if not 0 <= auto.margin < 1:
         raise ConfigError(

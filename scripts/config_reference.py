@@ -32,10 +32,11 @@ PAGE = os.path.join(ROOT, "docs", "reference", "config.md")
 GUIDES = (
     (
         "micro_batch_size",
-        "guides/batch-size.md#which-micro-batch-fits-micro_batch_sizeauto",
+        "guides/batch-probe.md#which-micro-batch-fits-micro_batch_sizeauto",
         "auto",
     ),
-    ("auto_batch", "guides/batch-size.md#which-micro-batch-fits-micro_batch_sizeauto", "auto"),
+    ("auto_batch", "guides/batch-probe.md#which-micro-batch-fits-micro_batch_sizeauto", "auto"),
+    ("probe", "guides/batch-probe.md", "the batch probe"),
     ("oom", "guides/batch-size.md#out-of-memory-in-the-middle-of-a-run-oomrecover", "oom"),
     ("monitor.gns", "guides/batch-size.md", "noise scale"),
     ("batchnorm", "guides/batch-norm.md", "batch norm"),

@@ -185,5 +185,7 @@ class PythonPage:
         return self.done[block.name]
 
     def close(self):
+        """End the process: its blocks have run, and TensorFlow's own teardown is slow."""
         self.process.stdin.close()
+        self.process.kill()
         self.process.wait(timeout=60)

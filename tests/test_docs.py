@@ -152,3 +152,15 @@ def test_the_pages_speak_to_outsiders():
         if path != os.path.join("docs", "contract.md"):
             found += [f"{path}: row id {match}" for match in row_id.findall(text)]
     assert not found, found
+
+
+def test_the_readme_is_a_first_look_whose_links_lead_into_the_site():
+    """The README stays short (the site says the rest), and every file it links exists."""
+    with open(os.path.join(ROOT, "README.md")) as readme:
+        text = readme.read()
+    assert len(text.splitlines()) <= 250
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [target for target in targets if "://" not in target]
+    assert len(local) >= 10 and all(target.startswith("docs/") for target in local), local
+    missing = [target for target in local if not os.path.exists(os.path.join(ROOT, target))]
+    assert not missing, missing

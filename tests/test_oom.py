@@ -21,6 +21,7 @@ from helpers import (
     compose_config,
     event_tags,
     final_weights,
+    ga_report,
     ga_train,
     ga_train_big_batch_reference,
     record,
@@ -185,6 +186,12 @@ def test_under_xla_the_run_stops_and_resumes_with_the_smaller_micro_batch(tmp_pa
         "test_under_xla_the_run_stops_and_resumes vs plain Keras big batch",
     )
     assert measured <= 1e-6
+    # ga-report counts the samples of the whole run, across the stop and the change of size:
+    # two passes over the 1438 training samples.
+    code, output = ga_report(run_dir, "--no-plots", "--out", str(tmp_path / "report"), cwd=tmp_path)
+    assert code == 0, output
+    (row,) = json.load(open(tmp_path / "report" / "report.json"))["runs"]
+    assert row["samples_seen"] == 2 * 1438, row
 
 
 def test_without_recover_the_error_says_what_to_type(tmp_path):

@@ -7,20 +7,29 @@ smallest that did not. Each size that runs is timed (samples/s, after a call tha
 warms up) and, on a GPU or TPU, its peak device memory is read.
 
 The choice: the largest size that ran or, with ``auto_batch.pick=fastest``, the one with the most
-samples/s. After an out-of-memory error it is at most ``(1 - auto_batch.margin)`` x the largest
-size that ran. The probe leaves nothing behind: every variable of the model, its optimizer and
+samples/s. After an out-of-memory error the margin is taken off the failure, not off a size that
+ran: where peak device memory is measured, a size may use at most ``(1 - auto_batch.margin)`` of
+the memory that the first size to fail would need (a line through the measured peaks); elsewhere
+it is at most ``(1 - auto_batch.margin)`` x that size. When nothing runs out of memory (a CPU),
+``pick=largest`` says so and takes the largest size within a few percent of the fastest
+samples/s: the largest one is then a bound of the data, not of the device.
+
+The probe leaves nothing behind: every variable of the model, its optimizer and
 its metrics is put back as it was, so the run that follows ends with the same weights as one
 given the chosen size by hand (tests/test_autobatch.py).
 """
 
+import contextlib
 import dataclasses
 import logging
+import signal
 import time
 
 import numpy as np
 import tensorflow as tf
 from omegaconf import OmegaConf
 
+from gacli.errors import Interrupted
 from gacli.runner.memory_stats import _memory_devices
 from gacli.runner.oom import oom_line
 
@@ -36,11 +45,18 @@ class Probe:
     error: str | None = None  # the first line of the out-of-memory error
 
     def row(self):
-        speed = f"{self.samples_per_second:,.0f}/s" if self.samples_per_second else ""
+        speed = f"{self.samples_per_second:,.0f}" if self.samples_per_second else ""
         memory = f"{self.peak_device_bytes / 2**20:,.0f} MiB" if self.peak_device_bytes else ""
-        return f"{self.micro_batch_size:>6}  {'fits' if self.fits else 'out of memory':<13}" + (
-            f"  {speed:>10}  {memory}".rstrip()
+        return f"{self.micro_batch_size:>11}  {'fits' if self.fits else 'out of memory':<13}" + (
+            f"  {speed:>9}  {memory}".rstrip()
         )
+
+
+# The probe's table: the columns of Probe.row().
+HEADER = f"{'micro-batch':>11}  {'result':<13}  {'samples/s':>9}  peak device memory"
+# Sizes within this share of the fastest samples/s count as equally fast: two timed calls on a
+# shared machine differ by about that much.
+EQUALLY_FAST = 0.03
 
 
 class VariableSnapshot:
@@ -127,58 +143,134 @@ def search(run_one, candidates):
     return dict(sorted(probes.items()))
 
 
+def _failure_bound(probes, margin):
+    """The test a size must pass after an out-of-memory error: at most ``(1 - margin)`` of the
+    memory the smallest failed size would need, by a line through the two largest measured peaks
+    (through zero with one); without measured peaks, at most ``(1 - margin)`` x that size."""
+    failed = min(size for size, probe in probes.items() if not probe.fits)
+    measured = sorted(
+        (size, probe.peak_device_bytes)
+        for size, probe in probes.items()
+        if probe.fits and probe.peak_device_bytes
+    )
+    if not measured:
+        return lambda size: size <= (1.0 - margin) * failed
+    (low, low_bytes), (high, high_bytes) = ([(0, 0)] + measured)[-2:]
+    per_sample = max(0.0, (high_bytes - low_bytes) / (high - low))
+
+    def needs(size):  # bytes
+        return high_bytes + per_sample * (size - high)
+
+    return lambda size: needs(size) <= (1.0 - margin) * needs(failed)
+
+
 def choose(probes, candidates, pick, margin):
     """The chosen size, or None when not even the smallest candidate ran."""
     fitting = [size for size, probe in probes.items() if probe.fits]
     if not fitting:
         return None
-    allowed = fitting
+    allowed = [size for size in candidates if size <= max(fitting)]
     if any(not probe.fits for probe in probes.values()):
-        ceiling = (1.0 - margin) * max(fitting)
-        allowed = [size for size in candidates if size <= ceiling] or [min(fitting)]
+        within = _failure_bound(probes, margin)
+        allowed = [size for size in allowed if within(size)] or [min(fitting)]
+    timed = [size for size in allowed if size in probes and probes[size].samples_per_second]
+    if not timed:
+        return max(allowed)
+    fastest = max(probes[size].samples_per_second for size in timed)
     if pick == "fastest":
-        timed = [size for size in allowed if size in probes]
-        if timed:
-            return max(timed, key=lambda size: probes[size].samples_per_second)
-    return max(allowed)
+        return max(timed, key=lambda size: probes[size].samples_per_second)
+    if any(not probe.fits for probe in probes.values()):
+        return max(allowed)
+    # Nothing ran out of memory: the largest size is where the data ends, not the device.
+    return max(s for s in timed if probes[s].samples_per_second >= (1 - EQUALLY_FAST) * fastest)
 
 
-def find_micro_batch_size(model, strategy, train, candidates, settings, prepare):
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGINT while probing end the run at once: nothing is trained yet, so there is
+    nothing to save. :class:`~gacli.errors.Interrupted` (exit code 128 + N), marked
+    ``before_training`` so that the run directory is removed."""
+
+    def stop(number, frame):
+        error = Interrupted(
+            f"stopped by {signal.Signals(number).name} while micro_batch_size=auto was probing "
+            "micro-batch sizes: nothing was trained, and the run directory is removed. Run the "
+            "same command again to start over.",
+            128 + number,
+        )
+        error.before_training = True
+        raise error
+
+    previous = {}
+    for number in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[number] = signal.signal(number, stop)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def find_micro_batch_size(model, strategy, train, candidates, settings, hooks):
     """(chosen size or None, probes by size): the probe of ``model`` (compiled, its optimizer
     built) on ``train`` (unbatched samples) over ``candidates`` (sorted sizes); ``settings``:
-    the run's ``auto_batch`` config; ``prepare(size)`` sets the model up for a size (its
-    accum_steps and steps_per_execution) and makes its train function. Every variable is put
-    back after each size."""
+    the run's ``auto_batch`` config; ``hooks.prepare(size)`` sets the model up for a size (its
+    accum_steps and steps_per_execution) and makes its train function, ``hooks.finished(probe)``
+    shows each probe as it finishes. Every variable is put back after each size."""
     snapshot = VariableSnapshot(model)
 
     def run_one(size):
-        prepare(size)
+        hooks.prepare(size)
         try:
-            return probe_size(model, strategy, train, size, settings.timed_calls)
+            probe = probe_size(model, strategy, train, size, settings.timed_calls)
         finally:
             snapshot.restore()
+        hooks.finished(probe)
+        return probe
 
     # Every size is a new trace by design: TensorFlow's retracing warning says nothing here.
     tf_logger = logging.getLogger("tensorflow")
     level = tf_logger.level
     tf_logger.setLevel(logging.ERROR)
     try:
-        probes = search(run_one, candidates)
+        with stop_on_signals():
+            probes = search(run_one, candidates)
     finally:
         tf_logger.setLevel(level)
     return choose(probes, candidates, settings.pick.value, settings.margin), probes
 
 
-def probe_lines(chosen, probes, settings):
-    """The start-up panel's account of the probe: the choice, then a line per size."""
+def probe_lines(chosen, probes, settings, bounds=()):
+    """The start-up panel's account of the probe: the choice, why, the bounds put on the sizes
+    before probing, then the table."""
     failed = [size for size, probe in probes.items() if not probe.fits]
-    rule = "the fastest" if settings.pick.value == "fastest" else "the largest"
-    why = (
-        f"{rule} that fits, at most {1 - settings.margin:.0%} of the largest that ran"
-        if failed
-        else f"{rule} probed (none ran out of memory)"
-    )
-    return [f"{chosen} (micro_batch_size=auto: {why})", *(p.row() for p in probes.values())]
+    measured = any(probe.peak_device_bytes for probe in probes.values())
+    if settings.pick.value == "fastest":
+        why = "the fastest that fits"
+    elif not failed:
+        why = (
+            f"nothing ran out of memory, so the largest size within {EQUALLY_FAST:.0%} of the "
+            "fastest samples/s"
+        )
+    else:
+        why = "the largest that fits"
+    if failed:
+        share = f"{1 - settings.margin:.0%}"
+        why += (
+            f", using at most {share} of the memory the first size that failed ({min(failed)}) "
+            "would need"
+            if measured
+            else f", at most {share} of the first size that failed ({min(failed)})"
+        )
+    return [
+        f"{chosen} (micro_batch_size=auto: {why})",
+        *bounds,
+        HEADER,
+        *(p.row() for p in probes.values()),
+    ]
 
 
 def probe_key(cfg, data, strategy):

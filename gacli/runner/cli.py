@@ -378,6 +378,13 @@ def _check_command_line(argv, launch):
         "--info=all" if a == "--info" else a for a in overrides if a.startswith("-") or "=" not in a
     ]
     check_overrides([a for a in overrides if a not in options and a != "--info"])
+    shows = [o for o in options if o.startswith(("--cfg", "--info", "-c", "-i", "--shell"))]
+    if shows and any(o in ("-m", "--multirun") for o in options):
+        raise ConfigError(
+            f"-m cannot be combined with {shows[0].split('=')[0]}: Hydra shows the config (or its "
+            "information) of one job, not of a sweep. Drop -m and give one value of each swept "
+            "key, e.g. ga-train accum_steps=4 --cfg job."
+        )
     check_tolerance_argument(overrides)
     from gacli.runner.plugins import check_choices
 
@@ -508,6 +515,10 @@ def _train(cfg, hydra_config, run_dir, launch):
         import tensorflow as tf
 
         tf.config.list_physical_devices()  # CUDA's probe, and its messages, happen here
+    if cfg.probe.name == "batch":
+        from gacli.runner.batch_probe import probe_batch
+
+        return probe_batch(cfg, run_dir, parallel_jobs=_parallel_jobs(hydra_config))
     if cfg.check.name.value == "equivalence":
         from gacli.runner.equivalence_check import run_equivalence_check
 
@@ -554,7 +565,7 @@ def _resume_requeued_job(cfg, run_dir):
 
 def _record(error, run_dir, cfg, launch):
     """What a failed job leaves: failure.json after training began; nothing before it."""
-    if isinstance(error, ConfigError):
+    if isinstance(error, ConfigError) or getattr(error, "before_training", False):
         if not cfg.resume and os.path.realpath(run_dir) != os.path.realpath(launch.kept_dir or ""):
             rundir.discard_unstarted(run_dir)
     elif isinstance(error, TrainingFailed) and rundir.is_chief():

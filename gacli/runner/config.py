@@ -8,6 +8,7 @@ Nothing here imports TensorFlow: a config error must answer in well under two se
 """
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -38,6 +39,9 @@ FREE_ON_RESUME = (
     "objective",
 )
 AUTO = "auto"  # micro_batch_size=auto: probe the device for the micro-batch
+# probe=batch's keys (configs/probe/batch.yaml): an open dict in the schema, because one of its
+# keys is "from", a Python keyword no dataclass field can be named.
+PROBE_KEYS = ("name", "effective_sizes", "samples", "from", "tolerance")
 
 
 class Wrapper(str, enum.Enum):
@@ -95,7 +99,7 @@ class OutOfMemory(str, enum.Enum):
 
 
 class Pick(str, enum.Enum):
-    largest = "largest"  # the largest micro-batch that fits (after the safety margin)
+    largest = "largest"  # the largest that fits (none failed: the largest within 3% of the fastest)
     fastest = "fastest"  # the one with the most samples/s among those that fit
 
 
@@ -191,8 +195,9 @@ class MonitorConfig:
 class AutoBatchConfig:
     # micro_batch_size=auto: how the probe chooses.
     pick: Pick = Pick.largest
-    # After a probe ran out of memory: the micro-batch is at most (1 - margin) x the largest
-    # that ran, so that a longer sequence or a fragmented allocator still fits.
+    # After a probe ran out of memory: the micro-batch may use at most (1 - margin) of what the
+    # first size that failed would need (of its peak device memory where that is measured, else
+    # of its size), so that a longer sequence or a fragmented allocator still fits.
     margin: float = 0.1
     max_micro_batch_size: Optional[int] = None  # the largest size probed (None: the data's)
     timed_calls: int = 2  # compiled calls timed per size, after one that warms up
@@ -254,6 +259,10 @@ class TrainConfig:
     # or a compiled metric, val_ for validation (None: val_loss, or loss without validation data).
     # Its direction follows from its name (gacli.runner.objective).
     objective: Optional[str] = None
+    # probe=batch: train one branch per effective batch from the same weights on the same
+    # samples and measure the critical batch, instead of one run; probe.effective_sizes,
+    # probe.samples, probe.from, probe.tolerance (configs/probe/batch.yaml) say how.
+    probe: Dict[str, Any] = field(default_factory=lambda: {"name": "none"})
     output_dir: str = MISSING  # set from the Hydra run directory
 
 
@@ -571,8 +580,9 @@ def _validate_check(cfg):
 
 
 def _validate_batch_choice(cfg, given=()):
-    """``accum_schedule`` (and its ``lr_scaling``), ``auto_batch`` and ``oom``."""
+    """``accum_schedule`` (and its ``lr_scaling``), ``probe``, ``auto_batch`` and ``oom``."""
     check_schedule(cfg, given)
+    _validate_probe(cfg, expected_replicas(cfg.strategy))
     auto = cfg.auto_batch
     if not 0 <= auto.margin < 1:
         raise ConfigError(
@@ -610,6 +620,108 @@ def _validate_batch_choice(cfg, given=()):
             f"{spe} does not divide accum_steps; drop steps_per_execution (a window a call) or "
             "use steps_per_execution=1."
         )
+
+
+def _validate_probe(cfg, replicas):
+    """``probe=batch``: its sizes, samples and tolerance, against the micro-batch."""
+    probe = cfg.probe
+    unknown = sorted(set(probe) - set(PROBE_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"probe.{unknown[0]} is not a key ga-train reads; probe=batch reads "
+            + ", ".join(f"probe.{key}" for key in PROBE_KEYS[1:])
+            + ", e.g. probe=batch probe.effective_sizes=[16,64,256] probe.samples=2048."
+        )
+    if probe.get("name") == "none":
+        if len(probe) > 1:
+            raise ConfigError(
+                f"probe.{sorted(set(probe) - {'name'})[0]} is read only with probe=batch, and this "
+                "run has no probe, so setting it would change nothing. Add probe=batch, or drop it."
+            )
+        return
+    if probe.get("name") != "batch":
+        raise ConfigError(
+            f"probe={probe.get('name')} is not a probe ga-train runs; use probe=batch (the "
+            "critical batch, measured) or leave probe out for one run."
+        )
+    sizes, samples = probe.get("effective_sizes"), probe.get("samples")
+    tolerance = probe.get("tolerance")
+    example = "e.g. probe=batch probe.effective_sizes=[16,64,256] probe.samples=2048"
+    whole = lambda value: isinstance(value, int) and not isinstance(value, bool)  # noqa: E731
+    if (
+        not isinstance(sizes, Sequence)
+        or len(sizes) < 2
+        or not all(whole(size) and size >= 1 for size in sizes)
+    ):
+        raise ConfigError(
+            f"probe.effective_sizes={sizes} must list two or more effective batch sizes, whole "
+            f"numbers >= 1, {example}."
+        )
+    if not whole(samples) or samples < 1:
+        raise ConfigError(f"probe.samples={samples} must be a whole number >= 1, {example}.")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0:
+        raise ConfigError(
+            f"probe.tolerance={tolerance} must be >= 0 (the share of the best val_loss a size may "
+            "lose and still count), e.g. probe.tolerance=0.05."
+        )
+    _validate_probe_sizes(cfg, sizes, samples, replicas)
+    if not cfg.dataset.validation_split:
+        raise ConfigError(
+            "probe=batch compares the sizes by their val_loss, but dataset.validation_split=0 "
+            "holds no validation data; use e.g. dataset.validation_split=0.1."
+        )
+    if cfg.resume:
+        raise ConfigError(
+            "probe=batch runs its branches from the start and is not resumed; start it again "
+            "without resume=."
+        )
+    if str(getattr(cfg.check.name, "value", cfg.check.name)) != "none":
+        raise ConfigError(
+            "probe=batch and check= each run a job of their own; run them as two commands, "
+            "e.g. ga-train probe=batch first, then ga-train check=equivalence."
+        )
+
+
+def _validate_probe_sizes(cfg, sizes, samples, replicas):
+    """``probe.effective_sizes`` against the micro-batch and ``probe.samples``; ``probe.from``."""
+    whole = lambda value: isinstance(value, int) and not isinstance(value, bool)  # noqa: E731
+    micro = cfg.micro_batch_size
+    if not whole(micro):
+        raise ConfigError(
+            f"probe=batch reaches each size by accumulation at one micro-batch, so it needs "
+            f"micro_batch_size as a number, not {micro}; e.g. micro_batch_size=16 (or the size "
+            "micro_batch_size=auto chose for this model)."
+        )
+    per_update = micro * (replicas or 1)
+    for size in sizes:
+        if size % per_update:
+            lower = size // per_update * per_update
+            fitting = sorted({max(per_update, lower), lower + per_update})
+            raise ConfigError(
+                f"probe.effective_sizes holds {size}, which micro_batch_size x replicas = "
+                f"{micro} x {replicas or 1} = {per_update} does not divide: every size is "
+                "reached by accumulating whole micro-batches. Use e.g. "
+                f"{' or '.join(map(str, fitting))}, "
+                "or another micro_batch_size."
+            )
+        if samples % size:
+            raise ConfigError(
+                f"probe.samples={samples} is not a multiple of the effective size {size}: every "
+                f"size must train on the same samples, in whole updates. Use e.g. probe.samples="
+                f"{max(sizes) * max(1, samples // max(sizes))} (a multiple of every size)."
+            )
+    given = cfg.probe.get("from")
+    if given is not None:
+        import os
+
+        from_dir = os.path.expanduser(str(given))
+        saved = [os.path.join(from_dir, name) for name in ("model.keras", "checkpoints")]
+        if not any(os.path.exists(path) for path in saved):
+            raise ConfigError(
+                f"probe.from={given} holds neither a model.keras nor a checkpoints folder; give "
+                "the directory of a ga-train run of this model (it prints it at start), or leave "
+                "probe.from out to start from the initial weights."
+            )
 
 
 # Every numeric key's range, where one call with a value outside it would otherwise fail deep in

@@ -259,7 +259,29 @@ def _reason(error):
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if "allow_pickle" in text or "pickled" in text:
         return "it holds pickled Python objects, which are not loaded for safety"
-    return text[:160]
+    # TensorFlow's messages start with the op's function name and end with its name: the
+    # reason lies between them, and is kept whole up to a length a paragraph can hold.
+    text = text.rsplit("}} ", 1)[-1].split(" [Op:", 1)[0].strip()
+    return text[:400]
+
+
+def _class_folders(path, cfg):
+    """The class sub-folders of an image folder, in label order; ConfigError when they cannot be
+    the classes asked for."""
+    classes = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+    if len(classes) < 2:
+        raise ConfigError(
+            f"dataset.path={cfg.path} has {len(classes)} class sub-folder(s); image_folder needs "
+            "one sub-folder per class (at least two), each holding that class's images."
+        )
+    if cfg.num_classes and cfg.num_classes != len(classes):
+        raise ConfigError(
+            f"dataset.num_classes={cfg.num_classes} but {cfg.path} has {len(classes)} class "
+            f"folders ({', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}), and an "
+            "image folder's classes are its sub-folders (a class without one has no sample); "
+            f"set dataset.num_classes={len(classes)} or 0 (counted from the folders)."
+        )
+    return classes
 
 
 def image_folder(cfg, seed):
@@ -269,18 +291,7 @@ def image_folder(cfg, seed):
             f"dataset.path={cfg.path} is not a directory; give a folder with one sub-folder of "
             "images per class, e.g. dataset.path=/data/train."
         )
-    classes = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
-    if len(classes) < 2:
-        raise ConfigError(
-            f"dataset.path={cfg.path} has {len(classes)} class sub-folder(s); image_folder needs "
-            "one sub-folder per class (at least two), each holding that class's images."
-        )
-    if cfg.num_classes and cfg.num_classes < len(classes):
-        raise ConfigError(
-            f"dataset.num_classes={cfg.num_classes} but {cfg.path} has {len(classes)} class "
-            f"folders ({', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}); set "
-            f"dataset.num_classes={len(classes)} or 0 (counted from the folders)."
-        )
+    classes = _class_folders(path, cfg)
     files, labels = [], []
     for label, name in enumerate(classes):
         folder = os.path.join(path, name)
@@ -457,7 +468,7 @@ def _scan_tfrecord(file, spec, cfg):
             labels.append(examples[cfg.label_key].numpy())
             count += len(records)
     except tf.errors.DataLossError as error:
-        reason = _reason(error).rsplit("}} ", 1)[-1].split("'", 1)[0].strip()
+        reason = _reason(error).split("'", 1)[0].strip()
         raise ConfigError(
             f"{file} is damaged after its first {_whole_records(file)} records ({reason}); "
             "rewrite it, or leave it out of dataset.path."
@@ -465,7 +476,7 @@ def _scan_tfrecord(file, spec, cfg):
     except tf.errors.InvalidArgumentError as error:
         raise ConfigError(
             f"{file} record {count + _first_unparsable(file, spec, count)} does not match "
-            f"dataset.features ({_reason(error).rsplit('}} ', 1)[-1].strip()}); describe its "
+            f"dataset.features ({_reason(error)}); describe its "
             "features as they are stored (shape and dtype of each)."
         ) from None
     if stored != os.path.getsize(file):

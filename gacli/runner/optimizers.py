@@ -43,9 +43,12 @@ def learning_rate_schedule(cfg, effective_batch_size, total_updates):
     return schedule
 
 
-def build_optimizer(cfg, learning_rate):
-    """The inner (update-level) Keras optimizer for ``cfg``, at ``learning_rate`` (a float or a
-    schedule in updates: :func:`learning_rate_schedule`)."""
+def build_optimizer(cfg, effective_batch_size, total_updates, learning_rate=None):
+    """The inner (update-level) Keras optimizer for ``cfg``; ``learning_rate``: a float or a
+    schedule in updates to use instead of :func:`learning_rate_schedule`'s (an accumulation
+    schedule's scaled rate)."""
+    if learning_rate is None:
+        learning_rate = learning_rate_schedule(cfg, effective_batch_size, total_updates)
     common = dict(
         learning_rate=learning_rate,
         clipnorm=cfg.clipnorm,

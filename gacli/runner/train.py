@@ -45,7 +45,7 @@ from gacli.rundir import (
     write_json,
 )
 from gacli.runner.accum_schedule import AccumSchedule, StageTable, grown_accum_steps
-from gacli.runner.autobatch import find_micro_batch_size, probe_key, probe_lines
+from gacli.runner.autobatch import HEADER, find_micro_batch_size, probe_key, probe_lines
 from gacli.runner.config import (
     FREE_ON_RESUME,
     AutoPlan,
@@ -222,7 +222,15 @@ class Run:
     def build(self):
         """The compiled model and engine; the start-up panel; ``resolved.yaml``."""
         cfg, plan, data, steps = self.cfg, self.plan, self.data, self.steps
-        self.job = build_job(cfg, plan, data, steps, self.strategy)
+        try:
+            self.job = build_job(cfg, plan, data, steps, self.strategy)
+        except tf.errors.ResourceExhaustedError as error:
+            raise ConfigError(
+                f"the model does not fit in memory: building {cfg.model.name} for inputs of shape "
+                f"{tuple(data.input_shape)} ran out of memory ({oom_line(error)}) before training "
+                "began. Give it smaller inputs (dataset.image_size) or fewer or narrower layers "
+                "(the model.* settings)."
+            ) from None
         facts = self.job.facts(cfg, plan, data, steps, self.strategy)
         startup_panel(self.console, cfg, plan, {**facts, **self.chosen})
         self.chief = is_chief()
@@ -775,6 +783,13 @@ def _check_batch_fits_data(cfg, plan, train_size):
     windows_span_passes = (
         cfg.steps_per_epoch is not None or cfg.partial_window == PartialWindow.carry
     )
+    if train_size == 0:
+        raise ConfigError(
+            f"the training set is empty: dataset {cfg.dataset.name} leaves no sample for training "
+            f"after validation_split={cfg.dataset.validation_split} takes its share for "
+            "validation. Lower dataset.validation_split (e.g. dataset.validation_split=0.2), or "
+            "give more data."
+        )
     if plan.global_micro_batch_size > train_size:
         per_replica = " x replicas" if plan.replicas > 1 else ""
         raise ConfigError(
@@ -940,30 +955,14 @@ def settle_plan(cfg, plan, data, strategy, run_dir):
             return kept, {"micro-batch": f"{kept.micro_batch_size}, as before ({saved['why']})"}
     if not isinstance(plan, AutoPlan):
         return plan, {}
-    largest = data.train_size // plan.replicas
-    if plan.effective_batch_size is None:  # accum_steps kept: the effective batch follows
-        largest //= plan.accum_steps  # and stays within the training set
-    if cfg.auto_batch.max_micro_batch_size:
-        largest = min(largest, cfg.auto_batch.max_micro_batch_size)
-    candidates = plan.candidates(max(1, largest))
+    candidates, bounds = auto_candidates(cfg, plan, data.train_size)
     first = plan.with_micro_batch_size(candidates[-1])
     # Without XLA: an out-of-memory error inside an XLA program leaves the variables unusable
     # (see _stop_for_resume). XLA's fused step usually needs less memory than this one.
     probed = OmegaConf.merge(cfg, {"jit_compile": False})
     job = build_job(probed, first, data, plan_steps(cfg, first, data.train_size), strategy)
-
-    def prepare(size):
-        sized = plan.with_micro_batch_size(size)
-        spe = _steps_per_execution(cfg, sized, job.wrapper)
-        set_accum_steps(job.model, sized.accum_steps, spe)
-
     micro, probes = find_micro_batch_size(
-        job.model,
-        strategy,
-        data.train,
-        candidates,
-        cfg.auto_batch,
-        prepare,
+        job.model, strategy, data.train, candidates, cfg.auto_batch, ProbeHooks(cfg, plan, job)
     )
     if micro is None:
         raise TrainingFailed(
@@ -979,7 +978,90 @@ def settle_plan(cfg, plan, data, strategy, run_dir):
         "probes": [dataclasses.asdict(probe) for probe in probes.values()],
     }
     plan_file.write(record)
-    return chosen, {"micro-batch": "\n".join(probe_lines(micro, probes, cfg.auto_batch))}
+    return chosen, {"micro-batch": "\n".join(probe_lines(micro, probes, cfg.auto_batch, bounds))}
+
+
+def auto_candidates(cfg, plan, train_size):
+    """(the sizes ``micro_batch_size=auto`` may probe, smallest first; lines on the bounds put on
+    them): never more than the run can use, checked before anything is probed."""
+    _check_auto_fits_data(cfg, plan, train_size)
+    largest = train_size // plan.replicas
+    bounds = []
+    if plan.effective_batch_size is None:  # accum_steps kept: the effective batch follows
+        largest //= plan.accum_steps  # and stays within the training set
+        bounds.append(
+            f"sizes up to {largest}: {train_size} training samples / accum_steps "
+            f"{plan.accum_steps}" + (f" / {plan.replicas} replicas" if plan.replicas > 1 else "")
+        )
+    if cfg.auto_batch.max_micro_batch_size and cfg.auto_batch.max_micro_batch_size < largest:
+        largest = cfg.auto_batch.max_micro_batch_size
+        bounds.append(f"sizes up to {largest}: auto_batch.max_micro_batch_size")
+    candidates = plan.candidates(largest)
+    keeps_two = [size for size in candidates if plan.with_micro_batch_size(size).accum_steps >= 2]
+    if cfg.monitor.gns and plan.replicas == 1 and plan.effective_batch_size and keeps_two:
+        # The noise scale needs two micro-batches in a window (README, "How big should my batch
+        # be?"): with one replica, accum_steps >= 2.
+        candidates = keeps_two
+        bounds.append(
+            f"sizes up to {candidates[-1]}: monitor.gns needs two or more micro-batches per window"
+        )
+    return candidates, bounds
+
+
+def _check_auto_fits_data(cfg, plan, train_size):
+    """ConfigError, before probing, when no micro-batch could give the run its batch within the
+    training set."""
+    spans_passes = cfg.steps_per_epoch is not None or cfg.partial_window == PartialWindow.carry
+    effective = plan.effective_batch_size
+    if effective is not None and effective > train_size and not spans_passes:
+        raise ConfigError(
+            f"effective_batch_size = {effective} is larger than the training set, which holds "
+            f"{train_size} samples (dataset {cfg.dataset.name}, after validation_split="
+            f"{cfg.dataset.validation_split}), so no micro-batch that micro_batch_size=auto "
+            f"could find would do: every update would see {train_size} samples. Use "
+            f"effective_batch_size={train_size // plan.replicas * plan.replicas} or less, or more "
+            "data; or let windows run across passes with partial_window=carry."
+        )
+    if effective is None and plan.accum_steps * plan.replicas > train_size:
+        raise ConfigError(
+            f"accum_steps = {plan.accum_steps} (x {plan.replicas} replicas) is larger than the "
+            f"training set, which holds {train_size} samples, so even micro-batches of 1 would "
+            f"make updates larger than the data. Use accum_steps={train_size // plan.replicas} "
+            "or less, or give effective_batch_size= instead."
+        )
+
+
+class ProbeHooks:
+    """What ``micro_batch_size=auto``'s search calls around each size: the model set up for it,
+    and a line on the terminal as it finishes (the search can take minutes).
+
+    Args:
+        cfg: the run's config.
+        plan: the :class:`AutoPlan` the sizes complete.
+        job: the :class:`Job` built for the probe.
+    """
+
+    def __init__(self, cfg, plan, job):
+        self.cfg = cfg
+        self.plan = plan
+        self.job = job
+        self.console = make_console()
+        self.started = False
+
+    def prepare(self, size):
+        if not self.started:
+            self.console.print(
+                "micro_batch_size=auto: probing micro-batch sizes (each trains a few compiled "
+                "calls)\n" + HEADER,
+                soft_wrap=True,
+            )
+            self.started = True
+        sized = self.plan.with_micro_batch_size(size)
+        spe = _steps_per_execution(self.cfg, sized, self.job.wrapper)
+        set_accum_steps(self.job.model, sized.accum_steps, spe)
+
+    def finished(self, probe):
+        self.console.print(probe.row(), soft_wrap=True)
 
 
 def accumulation_config(cfg, plan):
@@ -1054,7 +1136,9 @@ def build_job(cfg, plan, data, steps, strategy):
         model = apply_batchnorm_policy(model, cfg.batchnorm.value, plan.accum_steps, warn=False)
         rate = learning_rate_schedule(cfg.optimizer, plan.effective_batch_size, steps.total_updates)
         scaled_rate = ScaledLearningRate(rate) if cfg.get("accum_schedule") is not None else None
-        inner = build_optimizer(cfg.optimizer, scaled_rate or rate)
+        inner = build_optimizer(
+            cfg.optimizer, plan.effective_batch_size, steps.total_updates, scaled_rate
+        )
         if wrapper is Wrapper.model:
             model = wrap_model(model, config=settings)
             optimizer = inner

@@ -61,11 +61,31 @@ def check_overrides(assignments):
     """ConfigError for a ``key=value`` (``+key=``, ``++key=``, ``~key``) that no field reads."""
     for assignment in assignments:
         key = assignment.split("=", 1)[0].lstrip("+~")
-        if key in GROUPS or key == "config":
+        if key in GROUPS or key in ("config", "probe"):
             continue  # a group choice (model=unet): Hydra lists the valid names if it is wrong
+        if key.startswith("probe."):
+            _check_probe_key(key, assignments)
+            continue
         problem = unknown_key(key)
         if problem:
             raise ConfigError(f"{assignment}: {problem}")
+
+
+def _check_probe_key(key, assignments):
+    """ConfigError for a ``probe.`` key that probe=batch does not read, or given without it."""
+    from gacli.runner.config import PROBE_KEYS
+
+    if key.split(".", 1)[1] not in PROBE_KEYS[1:]:
+        raise ConfigError(
+            f"{key} is not a key ga-train reads; probe=batch reads "
+            + ", ".join(f"probe.{name}" for name in PROBE_KEYS[1:])
+            + "."
+        )
+    if "probe=batch" not in assignments:
+        raise ConfigError(
+            f"{key} is read only with probe=batch, and this command has no probe, so setting it "
+            "would change nothing. Add probe=batch, or drop it."
+        )
 
 
 def _walk(mapping, prefix=""):

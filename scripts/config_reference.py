@@ -48,6 +48,13 @@ GUIDES = (
     ("resume", "guides/resume.md#interrupted-runs-resume-and-preemption", "resume"),
     ("checkpoint", "guides/resume.md#what-a-run-leaves-behind", "run directory"),
     ("objective", "guides/distributed.md#hydras-launchers-and-sweepers", "sweepers"),
+    ("accum_schedule", "guides/batch-schedule.md", "batch schedules"),
+    ("lr_scaling", "guides/batch-schedule.md#the-learning-rate-across-stages", "learning rate"),
+    (
+        "optimizer.lr_scaling",
+        "guides/batch-schedule.md#the-learning-rate-across-stages",
+        "learning rate",
+    ),
 )
 
 # Types the annotation cannot say: micro_batch_size is Any because it also takes the word auto.

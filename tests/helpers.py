@@ -313,9 +313,11 @@ def compose_config(*overrides):
         return compose("train", overrides=[*quiet, *overrides])
 
 
-def ga_train_big_batch_reference(cfg, window):
+def ga_train_big_batch_reference(cfg, window, learning_rates=None):
     """The final weights of ga-train's job ``cfg`` (momentum SGD, a constant learning rate)
-    trained by plain Keras on one device: one ``train_on_batch`` per ``window`` samples.
+    trained by plain Keras on one device: one ``train_on_batch`` per ``window`` samples (an int,
+    or one per epoch: an accumulation schedule's stages), at ``learning_rates``: one per epoch, or
+    a function of (epoch, updates done) giving the next update's; None: the configured one.
 
     ga-train's own model and data (same builder, seed and so initial weights; same training
     split) read in ga-train's order: pass ``p`` over the data is shuffled with that pass's seed
@@ -337,23 +339,32 @@ def ga_train_big_batch_reference(cfg, window):
         ),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
+    windows = [window] * cfg.epochs if isinstance(window, int) else list(window)
+    updates = 0
     for epoch in range(cfg.epochs):
+        if learning_rates is not None and not callable(learning_rates):
+            model.optimizer.learning_rate.assign(learning_rates[epoch])
         order = pass_order(
             data.train_size,
             epoch,
             shuffle_seed=cfg.seed if cfg.dataset.shuffle else None,
             buffer_size=min(data.train_size, 10_000),
         )
-        for start in range(0, data.train_size, window):
-            batch = order[start : start + window]
+        for start in range(0, data.train_size, windows[epoch]):
+            batch = order[start : start + windows[epoch]]
+            if callable(learning_rates):
+                model.optimizer.learning_rate.assign(learning_rates(epoch, updates))
             model.train_on_batch(x[batch], y[batch])
+            updates += 1
     return model.get_weights()
 
 
-def event_tags(run_dir):
+def event_tags(run_dir, every_point=False):
+    """(the tags, an EventAccumulator) of a run's event file; ``every_point``: keep every
+    point of a series (TensorBoard keeps 10 of each otherwise)."""
     files = glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*"))
     assert len(files) == 1, files
-    events = EventAccumulator(files[0])
+    events = EventAccumulator(files[0], size_guidance={"tensors": 0} if every_point else None)
     events.Reload()
     return set(events.Tags()["tensors"]), events
 
@@ -444,3 +455,25 @@ def noise_scale_errors(run):
         abs(estimated_trace / trace - 1),
         abs((estimated_trace / estimated_grad_sq) / (trace / grad_sq) - 1),
     )
+
+
+def gns_softmax_model(input_shape, num_outputs, task, descent_steps=0, label_noise=1.0):
+    """A ``model.factory`` for ga-train: softmax regression on ``noise_scale_data(label_noise)``,
+    its weights ``descent_steps`` steps of full-batch gradient descent (rate 1) from zero: the
+    more steps, the nearer the optimum, where the gradient is small beside its noise (a larger
+    B_simple)."""
+    del task
+    x, y = noise_scale_data(label_noise)
+    kernel = np.zeros((x.shape[1], num_outputs))
+    bias = np.zeros(num_outputs)
+    for _ in range(descent_steps):
+        logits = x @ kernel + bias
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        p[np.arange(len(y)), y] -= 1.0
+        kernel -= x.T @ p / len(y)
+        bias -= p.mean(axis=0)
+    inputs = keras.Input(input_shape)
+    model = keras.Model(inputs, keras.layers.Dense(num_outputs)(inputs))
+    model.layers[-1].set_weights([kernel.astype("float32"), bias.astype("float32")])
+    return model

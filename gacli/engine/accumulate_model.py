@@ -438,14 +438,15 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
 
 
 @shows_config_defaults
-def set_accum_steps(model, accum_steps, steps_per_execution=None):
+def set_accum_steps(model, accum_steps, steps_per_execution=None, restored=False):
     """Micro-batches per update from the next window on, for a compiled ``model`` that
     accumulates (a model wrapper, or any model compiled with a GradientAccumulateOptimizer): its
-    optimizer, its AccumBatchNormalization layers and its settings; the window must be empty.
+    optimizer, its AccumBatchNormalization layers and its settings; the window must be empty
+    (``restored``: or hold what a checkpoint saved at ``accum_steps``).
     ``steps_per_execution``: micro-batches per compiled call from now on (None: unchanged).
     The train function is made again."""
     optimizer = find_accumulating_optimizer(model.optimizer)
-    optimizer.set_accum_steps(accum_steps)
+    optimizer.set_accum_steps(accum_steps, restored=restored)
     if isinstance(model, AccumulationMixin):
         model.accumulation_config = model.accumulation_config.replace(
             accum_steps=optimizer.accum_steps

@@ -692,11 +692,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         for variable, value in zip(self._shared_state, start_state):
             variable.assign(value)
 
-    def set_accum_steps(self, accum_steps):
-        """Micro-batches per update from the next window on; the window must be empty. The caller
-        makes its train function again (the count is read when the step is traced)."""
+    def set_accum_steps(self, accum_steps, restored=False):
+        """Micro-batches per update from the next window on; the window must be empty, unless
+        ``restored``: the open window was just restored from a checkpoint saved while it was
+        filled at ``accum_steps`` (a run resumed in a stage of an accumulation schedule). The
+        caller makes its train function again (the count is read when the step is traced)."""
         accum_steps = validate_accum_steps(accum_steps)
-        if self.built and int(self.window_micro_steps.numpy()):
+        if self.built and not restored and int(self.window_micro_steps.numpy()):
             raise ValueError("accum_steps can change between windows only; the window is open.")
         self.config = self.config.replace(accum_steps=accum_steps)
         self._window.accum_steps = accum_steps

@@ -37,6 +37,7 @@ _NOT_METRICS = {
     "effective_batch_size",
     "optimizer_step",
     "micro_step",
+    "samples_seen",
     "gradient_noise_scale",
     "weights_sha256",
     "host_peak_rss_bytes",

@@ -17,6 +17,7 @@ from omegaconf import MISSING
 from gacli.engine.options import BatchNormPolicy, NonFinite, PartialWindow
 from gacli.engine.settings import AccumulationConfig
 from gacli.errors import ConfigError, Interrupted  # noqa: F401  (imported from here by callers)
+from gacli.runner.accum_schedule import check_schedule
 
 # The accumulation settings that ga-train shares with the library take the library's defaults;
 # the one that differs, nonfinite, is gacli.runner.train.NONFINITE_WITHOUT_LOSS_SCALING.
@@ -67,8 +68,8 @@ class Schedule(str, enum.Enum):
 
 class LRScaling(str, enum.Enum):
     none = "none"
-    linear = "linear"  # lr * effective_batch_size / base_batch_size (Goyal et al. 2017)
-    sqrt = "sqrt"  # lr * sqrt(effective_batch_size / base_batch_size)
+    linear = "linear"  # lr * effective batch / reference batch (Goyal et al. 2017)
+    sqrt = "sqrt"  # lr * sqrt(effective batch / reference batch)
 
 
 class Policy(str, enum.Enum):
@@ -149,6 +150,8 @@ class OptimizerConfig:
     # cosine: updates to decay over; exponential: updates per decay_rate; 0 = the whole run after
     # warm-up
     decay_updates: int = 0
+    # The older rule: the reference batch is base_batch_size, every stage of accum_schedule too.
+    # Only one of it and the top-level lr_scaling may be set.
     lr_scaling: LRScaling = LRScaling.none
     base_batch_size: int = 256  # the batch size learning_rate was tuned for (lr_scaling)
 
@@ -228,6 +231,13 @@ class TrainConfig:
     micro_batch_size: Any = MISSING
     accum_steps: Optional[int] = MISSING  # micro-batches per optimizer update
     effective_batch_size: Optional[int] = None  # micro x accum x replicas
+    # The effective batch over training: {epoch: accum_steps from that epoch on}, or "gns" (grow
+    # with the measured noise scale, monitor.gns=true, up to accum_schedule_max).
+    accum_schedule: Any = None
+    # gns: the largest accum_steps (None: the largest power of two the training set allows).
+    accum_schedule_max: Optional[int] = None
+    # The learning rate of each stage of accum_schedule, the reference batch its first stage's.
+    lr_scaling: LRScaling = LRScaling.none
     auto_batch: AutoBatchConfig = field(default_factory=AutoBatchConfig)
     oom: OutOfMemory = OutOfMemory.fail  # an out-of-memory error while training
     wrapper: Wrapper = Wrapper.auto
@@ -491,16 +501,8 @@ def validate(cfg, given=()):
             "strategy=multi_worker (keras-team/keras#20585); use wrapper=auto (the model wrapper, "
             "which works around it)."
         )
-    if cfg.jit_compile and cfg.strategy.name == StrategyName.mirrored and replicas != 1:
-        raise ConfigError(
-            "jit_compile=true fails under strategy=mirrored with several devices: Keras' fit() "
-            "compiles the whole replicated step as one XLA program, and TensorFlow cannot run "
-            'one XLA program on variables held by several devices ("Trying to access resource '
-            '... located in device CPU:1 from device CPU:0", the same on GPUs; '
-            "tensorflow/tensorflow#53140, keras-team/keras#19005). Use jit_compile=false with "
-            "strategy=mirrored, or jit_compile=true on one device (strategy=default)."
-        )
-    _validate_batch_choice(cfg)
+    _refuse_jit_across_devices(cfg, replicas)
+    _validate_batch_choice(cfg, given)
     _validate_ranges(cfg)
     _refuse_inert_keys(cfg, given)
     if cfg.steps_per_execution is not None and cfg.steps_per_execution < 1:
@@ -530,6 +532,19 @@ def validate(cfg, given=()):
         raise ConfigError(
             f"model.factory={cfg.model.factory} must be 'package.module:function', e.g. "
             "model.factory=mypkg.models:build_model."
+        )
+
+
+def _refuse_jit_across_devices(cfg, replicas):
+    """ConfigError for jit_compile=true under strategy=mirrored with several devices."""
+    if cfg.jit_compile and cfg.strategy.name == StrategyName.mirrored and replicas != 1:
+        raise ConfigError(
+            "jit_compile=true fails under strategy=mirrored with several devices: Keras' fit() "
+            "compiles the whole replicated step as one XLA program, and TensorFlow cannot run "
+            'one XLA program on variables held by several devices ("Trying to access resource '
+            '... located in device CPU:1 from device CPU:0", the same on GPUs; '
+            "tensorflow/tensorflow#53140, keras-team/keras#19005). Use jit_compile=false with "
+            "strategy=mirrored, or jit_compile=true on one device (strategy=default)."
         )
 
 
@@ -578,8 +593,9 @@ def _validate_check(cfg):
             raise ConfigError(f"check=equivalence with {key}: the check {what_to_do}.")
 
 
-def _validate_batch_choice(cfg):
-    """``probe``, ``auto_batch`` and ``oom``."""
+def _validate_batch_choice(cfg, given=()):
+    """``accum_schedule`` (and its ``lr_scaling``), ``probe``, ``auto_batch`` and ``oom``."""
+    check_schedule(cfg, given)
     _validate_probe(cfg, expected_replicas(cfg.strategy))
     auto = cfg.auto_batch
     if not 0 <= auto.margin < 1:

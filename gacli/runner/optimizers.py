@@ -43,10 +43,14 @@ def learning_rate_schedule(cfg, effective_batch_size, total_updates):
     return schedule
 
 
-def build_optimizer(cfg, effective_batch_size, total_updates):
-    """The inner (update-level) Keras optimizer for ``cfg``."""
+def build_optimizer(cfg, effective_batch_size, total_updates, learning_rate=None):
+    """The inner (update-level) Keras optimizer for ``cfg``; ``learning_rate``: a float or a
+    schedule in updates to use instead of :func:`learning_rate_schedule`'s (an accumulation
+    schedule's scaled rate)."""
+    if learning_rate is None:
+        learning_rate = learning_rate_schedule(cfg, effective_batch_size, total_updates)
     common = dict(
-        learning_rate=learning_rate_schedule(cfg, effective_batch_size, total_updates),
+        learning_rate=learning_rate,
         clipnorm=cfg.clipnorm,
         global_clipnorm=cfg.global_clipnorm,
         use_ema=cfg.use_ema,

@@ -7,8 +7,9 @@ Tags: ``batch/{effective_size,micro_size,accum_steps,replicas}`` (the configurat
 (:mod:`gacli.runner.throughput`), ``memory/{device_current_bytes,device_peak_bytes}`` (where
 TensorFlow tracks device memory: GPUs; the CPU allocator reports nothing),
 ``memory/{host_rss_bytes,host_peak_rss_bytes}`` (:mod:`gacli.runner.memory_stats`), plus
-``precision/loss_scale`` and ``precision/skipped_*`` when loss scaling is on, and the run's
-hyper-parameters for TensorBoard's HParams tab.
+``precision/loss_scale`` and ``precision/skipped_*`` when loss scaling is on,
+``schedule/{noise_scale,accum_steps,effective_size}`` at each decision of ``accum_schedule=gns``,
+and the run's hyper-parameters for TensorBoard's HParams tab.
 """
 
 import os
@@ -99,6 +100,10 @@ class TensorBoardLogger(keras.callbacks.Callback):
                 step=int(step), wall_time=time.time(), summary=summary_pb2.Summary(value=values)
             )
         )
+
+    def write_scalars(self, step, scalars):
+        """``scalars`` ({tag: number}) at optimizer step ``step``, e.g. a schedule's decision."""
+        self._write(step, [_scalar_value(tag, value) for tag, value in scalars.items()])
 
     def _open_window(self):
         """(micro-batches of the run, micro-batches of them in the open window)."""

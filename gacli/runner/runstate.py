@@ -122,11 +122,16 @@ EPOCH_LOGS = "epoch_logs.json"  # in checkpoints/: each epoch's final metrics
 class RunState:
     """The checkpointed state of a run: model, optimizer, epoch and micro-batches done in it."""
 
-    def __init__(self, model, run_dir, chief, max_to_keep=2):
+    def __init__(self, model, run_dir, chief, max_to_keep=2, extra=None):
         self.epoch = tf.Variable(0, dtype="int64", trainable=False)
         self.micro_batch = tf.Variable(0, dtype="int64", trainable=False)
+        # extra: more state by name (the accumulation schedule's stages, when the run has one).
         self.checkpoint = tf.train.Checkpoint(
-            model=model, optimizer=model.optimizer, epoch=self.epoch, micro_batch=self.micro_batch
+            model=model,
+            optimizer=model.optimizer,
+            epoch=self.epoch,
+            micro_batch=self.micro_batch,
+            **(extra or {}),
         )
         self.run_dir = run_dir
         self.directory = os.path.join(run_dir, CHECKPOINT_DIR)

@@ -31,6 +31,7 @@ from gacli.engine.accumulation import (
 from gacli.engine.batchnorm import apply_batchnorm_policy, plain_batchnorm_layers
 from gacli.engine.options import BatchNormPolicy, NonFinite
 from gacli.engine.precise_batchnorm import PreciseBatchNorm
+from gacli.engine.schedules import ScaledLearningRate
 from gacli.engine.settings import AccumulationConfig
 from gacli.errors import ConfigError, ProcessUnusable, TrainingFailed
 from gacli.rundir import (
@@ -43,6 +44,7 @@ from gacli.rundir import (
     read_json,
     write_json,
 )
+from gacli.runner.accum_schedule import AccumSchedule, StageTable, grown_accum_steps
 from gacli.runner.autobatch import HEADER, find_micro_batch_size, probe_key, probe_lines
 from gacli.runner.config import (
     FREE_ON_RESUME,
@@ -61,7 +63,7 @@ from gacli.runner.memory_stats import reset_memory_peaks
 from gacli.runner.models import build_model
 from gacli.runner.objective import check_metric, metric_name
 from gacli.runner.oom import WindowStart, oom_line, out_of_memory_message, position_in, smaller_plan
-from gacli.runner.optimizers import build_optimizer
+from gacli.runner.optimizers import build_optimizer, learning_rate_schedule
 from gacli.runner.run_logging import TensorBoardLogger, host_memory_bytes
 from gacli.runner.runstate import (
     PassOrder,
@@ -142,6 +144,8 @@ class Run:
         self.position = (0, 0)  # (epoch, micro-batches done in it) that fit() starts from
         self.chosen = {}  # start-up panel lines on how the micro-batch was chosen
         self.history = {}  # metric name -> values per epoch, of the fit() that finished
+        self.schedule = None  # the AccumSchedule of accum_schedule, when set
+        self.stages = None  # its StageTable: each epoch's accum_steps, checkpointed
 
     def execute(self):
         """The job's steps; the last epoch's metrics."""
@@ -201,8 +205,19 @@ class Run:
         self.plan, self.chosen = settle_plan(
             self.cfg, self.plan, self.data, self.strategy, self.run_dir
         )
+        self.schedule = AccumSchedule.of(
+            self.cfg,
+            self.plan.accum_steps,
+            max(1, self.data.train_size // self.plan.global_micro_batch_size),
+        )
+        if self.schedule is not None:
+            plan = self.plan
+            largest = BatchPlan(plan.micro_batch_size, self.schedule.largest, plan.replicas)
+            _check_batch_fits_data(self.cfg, largest, self.data.train_size)
+            self.plan = BatchPlan(plan.micro_batch_size, self.schedule.start, plan.replicas)
+            self.chosen["accum schedule"] = _schedule_line(self.schedule, plan)
         _check_batch_fits_data(self.cfg, self.plan, self.data.train_size)
-        self.steps = plan_steps(self.cfg, self.plan, self.data.train_size)
+        self.steps = plan_steps(self.cfg, self.plan, self.data.train_size, self.schedule)
 
     def build(self):
         """The compiled model and engine; the start-up panel; ``resolved.yaml``."""
@@ -245,7 +260,7 @@ class Run:
                 _hparams(cfg, plan, self.job),
                 clock,
             )
-        self.state = RunState(self.job.model, self.run_dir, self.chief)
+        self.state = self._run_state()
         checkpoint = RunCheckpoint(
             self.state,
             accumulator,
@@ -281,6 +296,13 @@ class Run:
             self.job.fault,
             skip_budget,
         )
+
+    def _run_state(self):
+        """The run's checkpointed state; under ``accum_schedule``, each epoch's stage in it."""
+        if self.schedule is not None:
+            self.stages = StageTable(self.cfg.epochs)
+        extra = {"accum_schedule": self.stages.module} if self.stages else None
+        return RunState(self.job.model, self.run_dir, self.chief, extra=extra)
 
     @property
     def order(self):
@@ -363,7 +385,9 @@ class Run:
         validation = None
         if data.validation is not None:
             validation = data.validation.batch(plan.global_micro_batch_size)
-        per_epoch = steps.epoch_length % steps.steps_per_execution != 0
+        # One fit() per epoch where a compiled call would run past an epoch's end, and where
+        # accum_steps may change at the next epoch's start.
+        per_epoch = steps.epoch_length % steps.steps_per_execution != 0 or bool(self.schedule)
         for first, end, count, offset in _segments(
             self.position, steps.epoch_length, cfg.epochs, per_epoch
         ):
@@ -375,6 +399,7 @@ class Run:
                 count=count * (end - first),
                 order=self.order,
             )
+            self._enter_stage(first, restored=offset > 0)
             self.callbacks.checkpoint.start_segment(first, offset)
             # A resumed epoch is a fit() of its own: its end is not the run's end.
             last = end == cfg.epochs
@@ -409,6 +434,63 @@ class Run:
                     ).items()
                 }
         return history
+
+    def _enter_stage(self, epoch, restored=False):
+        """The stage of ``epoch`` under ``accum_schedule``: its accum_steps (under gns decided
+        now, from the noise scale), recorded in the checkpointed StageTable, set in the engine and
+        the reporters, and the learning rate scaled for its effective batch. ``restored``: the
+        open window was restored from a checkpoint of this stage."""
+        if self.schedule is None:
+            return
+        accumulator = self.job.accumulator
+        accum_steps = self.stages.accum_steps(epoch)
+        if not accum_steps:
+            accum_steps = self._stage_accum_steps(epoch)
+            self.stages.record(epoch, accum_steps, int(accumulator.optimizer_step.numpy()))
+        plan = self.plan
+        if accum_steps != plan.accum_steps:
+            self.plan = BatchPlan(plan.micro_batch_size, accum_steps, plan.replicas)
+            spe = _steps_per_execution(self.cfg, self.plan, self.job.wrapper)
+            self.steps = dataclasses.replace(self.steps, steps_per_execution=spe)
+            set_accum_steps(self.job.model, accum_steps, spe, restored=restored)
+            for reporter in self.callbacks.reporters():
+                reporter.replan(self.plan, 0)
+        self.job.scaled_rate.set_scale(self.schedule.learning_rate_factor(accum_steps))
+
+    def _stage_accum_steps(self, epoch):
+        """accum_steps of an epoch not yet started: the fixed schedule's, or gns's decision."""
+        schedule, plan = self.schedule, self.plan
+        if not schedule.grows:
+            return schedule.fixed[epoch]
+        if epoch == 0:
+            return schedule.start
+        noise = self.job.accumulator.noise_scale()
+        scale = noise["noise_scale"] if noise["windows"] else 0.0
+        grown = grown_accum_steps(
+            plan.accum_steps, scale, plan.global_micro_batch_size, schedule.largest
+        )
+        measured = f"~{scale:,.0f} (over {noise['windows']} windows)" if scale > 0 else "unmeasured"
+        change = (
+            f"accum_steps {plan.accum_steps} -> {grown} (effective batch "
+            f"{plan.effective_batch_size} -> {grown * plan.global_micro_batch_size})"
+            if grown != plan.accum_steps
+            else f"accum_steps stays {grown} (effective batch {plan.effective_batch_size}"
+            + (", at accum_schedule_max)" if grown >= schedule.largest else ")")
+        )
+        make_console().print(
+            f"accum_schedule=gns: epoch {epoch + 1}: noise scale B_simple {measured}: {change}",
+            soft_wrap=True,
+        )
+        if self.callbacks.tensorboard is not None:
+            self.callbacks.tensorboard.write_scalars(
+                int(self.job.accumulator.optimizer_step.numpy()),
+                {
+                    "schedule/noise_scale": scale,
+                    "schedule/accum_steps": grown,
+                    "schedule/effective_size": grown * plan.global_micro_batch_size,
+                },
+            )
+        return grown
 
     def _recover(self, error):
         """After an out-of-memory error: the open window put back to its start and the job
@@ -550,10 +632,19 @@ class Run:
                 weights_sha256=fingerprint,
                 host_peak_rss_bytes=host_memory_bytes()[1],
             )
+            if self.stages is not None:
+                result["samples_seen"] = self.callbacks.clock.layout.samples_before(micro_steps)
+                result["accum_schedule"] = self.stages.stages(updates, plan.global_micro_batch_size)
             write_json(os.path.join(run_dir, RESULT_FILE), result)
         rows = {key: f"{value:.4f}" for key, value in final.items()}
         rows["updates / micro-batches"] = f"{updates} / {micro_steps}"
         rows["effective batch"] = plan.effective_batch_size
+        if self.stages is not None:
+            rows["stages"] = ", ".join(
+                f"{stage['effective_batch_size']} from epoch {stage['epoch'] + 1} "
+                f"({stage['updates']} updates)"
+                for stage in self.stages.stages(updates, plan.global_micro_batch_size)
+            )
         if noise is not None:
             rows["noise scale"] = noise_scale_verdict(plan.effective_batch_size, noise)
         rows["weights sha256"] = fingerprint
@@ -788,8 +879,9 @@ class StepPlan:
     steps_per_execution: int
 
 
-def plan_steps(cfg, plan, train_size):
-    """The :class:`StepPlan` of a job whose training set holds ``train_size`` samples."""
+def plan_steps(cfg, plan, train_size, schedule=None):
+    """The :class:`StepPlan` of a job whose training set holds ``train_size`` samples (and
+    follows ``schedule``, an :class:`~gacli.runner.accum_schedule.AccumSchedule`, when set)."""
     micro_batches = math.ceil(train_size / plan.global_micro_batch_size)
     fit_steps = None
     if cfg.steps_per_epoch:
@@ -803,11 +895,14 @@ def plan_steps(cfg, plan, train_size):
     else:
         updates_per_epoch = math.ceil(micro_batches / plan.accum_steps)
     wrapper, _ = choose_wrapper(cfg)
+    total_updates = math.ceil(updates_per_epoch * cfg.epochs)
+    if schedule is not None:
+        total_updates = schedule.total_updates(micro_batches, cfg.epochs, cfg.partial_window.value)
     return StepPlan(
         micro_batches,
         fit_steps or micro_batches,
         fit_steps,
-        math.ceil(updates_per_epoch * cfg.epochs),
+        total_updates,
         _steps_per_execution(cfg, plan, wrapper),
     )
 
@@ -993,6 +1088,7 @@ class Job:
     batchnorm_layers: int
     learning_rate: float
     fault: object = None  # GACLI_FAKE_OOM_ABOVE's callback (gacli.runner.faults), when set
+    scaled_rate: ScaledLearningRate | None = None  # accum_schedule: the stage's learning rate
 
     def facts(self, cfg, plan, data, steps, strategy):
         """The start-up panel's lines."""
@@ -1038,7 +1134,11 @@ def build_job(cfg, plan, data, steps, strategy):
         _check_fits(model, data)
         batchnorm_layers = len(plain_batchnorm_layers(model))
         model = apply_batchnorm_policy(model, cfg.batchnorm.value, plan.accum_steps, warn=False)
-        inner = build_optimizer(cfg.optimizer, plan.effective_batch_size, steps.total_updates)
+        rate = learning_rate_schedule(cfg.optimizer, plan.effective_batch_size, steps.total_updates)
+        scaled_rate = ScaledLearningRate(rate) if cfg.get("accum_schedule") is not None else None
+        inner = build_optimizer(
+            cfg.optimizer, plan.effective_batch_size, steps.total_updates, scaled_rate
+        )
         if wrapper is Wrapper.model:
             model = wrap_model(model, config=settings)
             optimizer = inner
@@ -1072,6 +1172,7 @@ def build_job(cfg, plan, data, steps, strategy):
         batchnorm_layers,
         float(inner.learning_rate.numpy()),
         fault,
+        scaled_rate,
     )
 
 
@@ -1104,6 +1205,23 @@ def _hparams(cfg, plan, job):
         "lr": float(cfg.optimizer.learning_rate),
         "optimizer": cfg.optimizer.name.value,
     }
+
+
+def _schedule_line(schedule, plan):
+    """The start-up panel's line on the accumulation schedule."""
+    per_update = plan.global_micro_batch_size
+    if schedule.grows:
+        return (
+            f"gns: accum_steps {schedule.start} (effective batch {schedule.start * per_update}), "
+            f"grown at epoch starts with the noise scale up to {schedule.largest} "
+            f"({schedule.largest * per_update}); lr_scaling={schedule.rule}"
+        )
+    stages, last = [], None
+    for epoch, accum in enumerate(schedule.fixed):
+        if accum != last:
+            stages.append(f"epoch {epoch + 1}: {accum} ({accum * per_update})")
+            last = accum
+    return f"accum_steps (effective batch) {', '.join(stages)}; lr_scaling={schedule.rule}"
 
 
 def noise_scale_verdict(effective_batch, noise):

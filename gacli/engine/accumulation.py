@@ -242,11 +242,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer = _inner_optimizer(optimizer)
         self.config = config
         self._window = Window(config.accum_steps, config.reduction, config.accumulator_dtype)
-        self._loss_scale = (
-            LossScale(config.initial_scale, config.dynamic_growth_steps)
-            if config.loss_scaling
-            else None
-        )
+        self._loss_scale = None
+        if config.loss_scaling:
+            self._loss_scale = LossScale(config.initial_scale, config.dynamic_growth_steps)
         self._guard = NonFiniteGuard(config.nonfinite) if config.nonfinite else None
         self._noise = NoiseScale(config.noise_scale_decay) if config.noise_scale else None
         # Whether the end of the current fit() is the end of training (see fit_continues).
@@ -258,12 +256,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._window_functions = {}
         # The state variables that hold one value for all replicas (see shared_state).
         self._shared_state = []
-        # True: the window's update is compiled with XLA as a computation of its own, called
-        # from a graph conditional, while the micro-step around it is compiled apart (the model
-        # wrappers' train function under jit_compile, which sets it as the function is made).
-        # Inside one XLA computation, a conditional that updates a variable on one branch copies
-        # every variable it may update on the other: each micro-batch that does not close its
-        # window would copy the weights, the optimizer's slots and the accumulators once.
+        # True (set by the model wrappers' train function under jit_compile): the window's update
+        # is an XLA computation of its own, called from a graph conditional. Inside one XLA
+        # computation such a conditional copies every variable it may update, each micro-step.
         self.update_compiled_apart = False
         self._constructed = True
 

@@ -525,8 +525,6 @@ def validate(cfg, given=()):
             f"precise_bn_micro_batches={cfg.precise_bn_micro_batches} must be >= 1 (training "
             "micro-batches that batchnorm=precise pools), e.g. precise_bn_micro_batches=200."
         )
-    if cfg.strategy.logical_cpus < 0:
-        raise ConfigError("strategy.logical_cpus must be >= 0 (0: use the devices as they are).")
     _validate_check(cfg)
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError(
@@ -759,6 +757,12 @@ _RANGES = {
     "optimizer.decay_updates": (0, None, True, "optimizer.decay_updates=1000"),
     "optimizer.base_batch_size": (1, None, True, "optimizer.base_batch_size=256"),
     "strategy.port": (1, 65535, True, "strategy.port=29500"),
+    "strategy.logical_cpus": (
+        0,
+        None,
+        True,
+        "strategy.logical_cpus=2 (0: the devices as they are)",
+    ),
     "precision.max_skipped_fraction": (0.0, 1.0, True, "precision.max_skipped_fraction=0.25"),
 }
 

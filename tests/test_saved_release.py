@@ -1,53 +1,60 @@
 """Models saved by an earlier release of gacli still load (contract row C4 across releases).
 
-The files in tests/fixtures/release_0_1_0/ were saved by gacli 0.1.0 (commit b67c725, Keras 3.15,
-TensorFlow 2.21), before gacli's modules moved into folders: Keras finds gacli's classes by their
-registered names ("gacli>GradientAccumulateModel", ...), which must outlive the modules' paths.
-They were made by this code, with the layers and schedule that gacli registers:
-
-    x, y = rng.normal(size=(24, 4)), rng.normal(size=(24, 1))  # rng = default_rng(0), float32
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    h = gacli.AccumBatchNormalization(accum_steps=3)(keras.layers.Dense(6)(inputs))
-    h = BatchGroupNormalization(groups=2, axis=-2)(keras.layers.Reshape((6, 1))(h))
-    outputs = keras.layers.Dense(1)(keras.layers.Flatten()(h))
-    model = gacli.GradientAccumulateModel(
-        accum_steps=3, partial_window="drop", inputs=inputs, outputs=outputs
-    )
-    schedule = LinearWarmup(keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.9), 2)
-    model.compile(optimizer=keras.optimizers.Adam(schedule), loss="mse")
-    model.fit(x, y, batch_size=4, epochs=1, shuffle=False)  # 6 micro-batches: 2 windows
-    model.save("model_wrapper.keras")
-
-    keras.utils.set_random_seed(1)
-    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
-    optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
-    plain.compile(optimizer=gacli.GradientAccumulateOptimizer(optimizer, accum_steps=2), loss="mse")
-    plain.fit(x, y, batch_size=4, epochs=1, shuffle=False)
-    plain.save("optimizer_wrapper.keras")
-
-expected.npz holds x and both models' predictions on it at the time they were saved.
+The models are saved by gacli 0.1.0 itself (commit b67c725, before gacli's modules moved into
+folders), taken from the repository's git history and run by
+tests/fixtures/release_0_1_0/make_models.py in a process of its own; the current gacli then loads
+them. Keras finds gacli's classes by their registered names ("gacli>GradientAccumulateModel",
+...), which must outlive the modules' paths. They are made at test time, not kept in git (saved
+models are run outputs).
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
 import keras
 import numpy as np
+import pytest
 
 import gacli
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "release_0_1_0")
+RELEASE = "b67c725"  # gacli 0.1.0
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAKER = os.path.join(ROOT, "tests", "fixtures", "release_0_1_0", "make_models.py")
 
 
-def _expected():
-    return np.load(os.path.join(FIXTURES, "expected.npz"))
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The folder holding what gacli 0.1.0 saved: model_wrapper.keras, optimizer_wrapper.keras
+    and expected.npz."""
+    known = subprocess.run(
+        ["git", "-C", ROOT, "cat-file", "-e", f"{RELEASE}^{{commit}}"], capture_output=True
+    )
+    if shutil.which("git") is None or known.returncode != 0:
+        pytest.skip(f"needs the repository's git history (commit {RELEASE}, gacli 0.1.0)")
+    source, out = tmp_path_factory.mktemp("gacli_0_1_0"), tmp_path_factory.mktemp("saved")
+    archive = subprocess.run(
+        ["git", "-C", ROOT, "archive", "--format=tar", RELEASE, "gacli"],
+        capture_output=True,
+        check=True,
+    )
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
+    made = subprocess.run(
+        [sys.executable, MAKER, str(source)],
+        cwd=out,
+        env=dict(os.environ, PYTHONPATH=str(source), TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    return str(out)
 
 
-def test_a_model_wrapper_saved_by_0_1_0_loads_with_its_settings_and_weights():
-    expected = _expected()
-    model = keras.models.load_model(os.path.join(FIXTURES, "model_wrapper.keras"))
+def test_a_model_wrapper_saved_by_0_1_0_loads_with_its_settings_and_weights(saved):
+    expected = np.load(os.path.join(saved, "expected.npz"))
+    model = keras.models.load_model(os.path.join(saved, "model_wrapper.keras"))
     assert isinstance(model, gacli.GradientAccumulateModel)
     assert (model.accum_steps, model.partial_window.value) == (3, "drop")
     kinds = {type(layer).__name__ for layer in model.layers}
@@ -62,9 +69,9 @@ def test_a_model_wrapper_saved_by_0_1_0_loads_with_its_settings_and_weights():
     )
 
 
-def test_an_optimizer_wrapper_saved_by_0_1_0_loads_with_its_window():
-    expected = _expected()
-    model = keras.models.load_model(os.path.join(FIXTURES, "optimizer_wrapper.keras"))
+def test_an_optimizer_wrapper_saved_by_0_1_0_loads_with_its_window(saved):
+    expected = np.load(os.path.join(saved, "expected.npz"))
+    model = keras.models.load_model(os.path.join(saved, "optimizer_wrapper.keras"))
     optimizer = model.optimizer
     assert isinstance(optimizer, gacli.GradientAccumulateOptimizer)
     assert optimizer.accum_steps == 2
@@ -75,12 +82,12 @@ def test_an_optimizer_wrapper_saved_by_0_1_0_loads_with_its_window():
     )
 
 
-def test_import_gacli_alone_lets_keras_load_them():
+def test_import_gacli_alone_lets_keras_load_them(saved):
     """The package's docstring promises: ``import gacli`` and then ``load_model`` (no other
     import of gacli's modules), in a fresh process."""
     code = (
         "import gacli, keras, sys\n"
-        f"model = keras.models.load_model({os.path.join(FIXTURES, 'model_wrapper.keras')!r})\n"
+        f"model = keras.models.load_model({os.path.join(saved, 'model_wrapper.keras')!r})\n"
         "print(type(model).__name__, type(model.optimizer).__name__, model.accum_steps)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -100,6 +100,22 @@ TFRECORD_FEATURES = (
 )
 
 
+def _write_tfrecord(path, count):
+    """``count`` records of a 16-float "image" and an int64 "label" (0, 1, 2, ...); ``path``."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for index in range(count):
+            feature = {
+                "image": tf.train.Feature(float_list=tf.train.FloatList(value=rng.normal(size=16))),
+                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[index % 3])),
+            }
+            example = tf.train.Example(features=tf.train.Features(feature=feature))
+            writer.write(example.SerializeToString())
+    return path
+
+
 @pytest.mark.parametrize(
     "cut, expected",
     [
@@ -109,18 +125,7 @@ TFRECORD_FEATURES = (
     ],
 )
 def test_a_tfrecord_file_cut_short_is_refused(tmp_path, cut, expected):
-    import tensorflow as tf
-
-    rng = np.random.default_rng(0)
-    path = tmp_path / "train.tfrecord"
-    with tf.io.TFRecordWriter(str(path)) as writer:
-        for index in range(200):
-            feature = {
-                "image": tf.train.Feature(float_list=tf.train.FloatList(value=rng.normal(size=16))),
-                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[index % 3])),
-            }
-            example = tf.train.Example(features=tf.train.Features(feature=feature))
-            writer.write(example.SerializeToString())
+    path = _write_tfrecord(tmp_path / "train.tfrecord", 200)
     data = path.read_bytes()
     record = len(data) // 200
     path.write_bytes(data[: 100 * record + cut])
@@ -151,17 +156,7 @@ def test_a_tfrecord_file_cut_short_is_refused(tmp_path, cut, expected):
 )
 def test_a_tfrecord_feature_mismatch_keeps_its_reason(tmp_path, features, expected):
     # TensorFlow's reason came after the op's long name and was cut off at 160 characters.
-    import tensorflow as tf
-
-    rng = np.random.default_rng(0)
-    with tf.io.TFRecordWriter(str(tmp_path / "train.tfrecord")) as writer:
-        for index in range(40):
-            feature = {
-                "image": tf.train.Feature(float_list=tf.train.FloatList(value=rng.normal(size=16))),
-                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[index % 3])),
-            }
-            example = tf.train.Example(features=tf.train.Features(feature=feature))
-            writer.write(example.SerializeToString())
+    _write_tfrecord(tmp_path / "train.tfrecord", 40)
     code, output = ga_train(
         "dataset=tfrecord", "dataset.path=train.tfrecord", features, "epochs=1", cwd=tmp_path
     )

@@ -757,12 +757,7 @@ _RANGES = {
     "optimizer.decay_updates": (0, None, True, "optimizer.decay_updates=1000"),
     "optimizer.base_batch_size": (1, None, True, "optimizer.base_batch_size=256"),
     "strategy.port": (1, 65535, True, "strategy.port=29500"),
-    "strategy.logical_cpus": (
-        0,
-        None,
-        True,
-        "strategy.logical_cpus=2 (0: the devices as they are)",
-    ),
+    "strategy.logical_cpus": (0, None, True, "strategy.logical_cpus=2 (0: devices as they are)"),
     "precision.max_skipped_fraction": (0.0, 1.0, True, "precision.max_skipped_fraction=0.25"),
 }
 

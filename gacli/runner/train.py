@@ -157,15 +157,16 @@ class Run:
             self.build()
             self.make_callbacks()
             try:
-                self.restore()
-                self.fit()
+                try:
+                    self.restore()
+                    self.fit()
+                finally:
+                    self.close()  # the event files are whole before result.json says "done"
                 return self.save_results()
             except (OSError, tf.errors.OpError) as error:
                 if not disk_full(error):
                     raise
                 raise TrainingFailed(disk_full_message(self.run_dir, error)) from None
-            finally:
-                self.close()
 
     def check_run_dir(self):
         """Refuse an unusable run directory before anything is built."""

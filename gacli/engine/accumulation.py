@@ -33,7 +33,14 @@ from gacli.engine.settings import (
     take_agc_alias,
     validate_accum_steps,
 )
-from gacli.engine.window import LossScale, NoiseScale, NonFiniteGuard, Window, squared_norm
+from gacli.engine.window import (
+    LossScale,
+    NoiseScale,
+    NonFiniteGuard,
+    Window,
+    squared_norm,
+    sum_of_squares,
+)
 
 __all__ = [
     "GradientAccumulateOptimizer",
@@ -573,10 +580,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             # |G_B|^2 of the whole window: under several replicas, reading the accumulators here
             # sums them, one all-reduce more per window.
             squared = tf.add_n(
-                [
-                    tf.reduce_sum(tf.square(_summed(self._window.accumulators[index])))
-                    for index in indices
-                ]
+                [sum_of_squares(_summed(self._window.accumulators[index])) for index in indices]
             ) / tf.square(denominator)
             self._noise.update(
                 squared,

@@ -19,6 +19,16 @@ import tensorflow as tf
 
 from gacli.engine.options import NonFinite, Reduction
 
+try:  # TensorFlow's own test for "this graph is being compiled by XLA" (not public API)
+    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+except ImportError:  # pragma: no cover - a TensorFlow without it sums the plain way
+    GraphOrParentsInXlaContext = None
+
+# Elements summed per row by the matrix product in sum_of_squares, and the largest tensor summed
+# that way (its squares are a temporary copy: at most 16 MiB).
+_ROW = 128
+_MOST_BY_PRODUCT = 1 << 22
+
 
 def _all_finite(gradient):
     """Whether every element of ``gradient`` is finite; a sparse one's rows only (its other
@@ -51,10 +61,43 @@ def squared_norm(gradients, factor):
     dense = [g for g in gradients if not isinstance(g, tf.IndexedSlices)]
     # l2_loss is half the squared norm, in one pass with no squared copy of the gradient.
     squares = [_squared_norm_of_rows(g.values, g.indices) for g in sparse]
-    if dense:
-        squares.append(2.0 * tf.add_n([tf.nn.l2_loss(tf.cast(g, "float32")) for g in dense]))
+    squares.extend(sum_of_squares(g) for g in dense)
     total = tf.add_n(squares)
     return total if factor is None else total * tf.square(tf.cast(factor, "float32"))
+
+
+def _compiled_by_xla_on_cpu():
+    """Whether the op being traced goes into an XLA computation for a CPU (no GPU visible)."""
+    if GraphOrParentsInXlaContext is None or tf.config.list_logical_devices("GPU"):
+        return False
+    return bool(GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def sum_of_squares(tensor):
+    """The sum of ``tensor``'s squared elements, in float32.
+
+    XLA on a CPU compiles a reduction to one number into a single sequential loop: for the
+    535,818 gradients of an MLP 784-512-256-10 it took three times as long as the same sum by
+    TensorFlow's own kernel, a quarter of a micro-step (the noise scale's whole cost under
+    XLA). There the squares are laid out in rows of 128 and summed by a matrix product with a
+    column of ones, which XLA hands to its vectorised matrix kernels, and the rows' sums are
+    added. The squares are then a temporary copy, so a tensor of more than 4 Mi elements (an
+    embedding table's accumulator, read once a window) is summed the plain way. Elsewhere (no
+    XLA, or a GPU, where a matrix product may round to TF32) it is ``2 * l2_loss``: one pass,
+    with no squared copy.
+    """
+    tensor = tf.cast(tensor, "float32")
+    size = tensor.shape.num_elements()
+    by_product = size is not None and 4 * _ROW <= size <= _MOST_BY_PRODUCT
+    if not (by_product and _compiled_by_xla_on_cpu()):
+        return 2.0 * tf.nn.l2_loss(tensor)
+    flat = tf.reshape(tensor, [-1])
+    whole = size - size % _ROW
+    rows = tf.reshape(tf.square(flat[:whole]), [-1, _ROW])
+    total = tf.reduce_sum(tf.matmul(rows, tf.ones([_ROW, 1])))
+    if whole < size:
+        total += tf.reduce_sum(tf.square(flat[whole:]))
+    return total
 
 
 def _scatter_add(variable, rows):

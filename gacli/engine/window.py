@@ -24,17 +24,21 @@ try:  # TensorFlow's own test for "this graph is being compiled by XLA" (not pub
 except ImportError:  # pragma: no cover - a TensorFlow without it sums the plain way
     GraphOrParentsInXlaContext = None
 
-# Elements summed per row by the matrix product in sum_of_squares, and the largest tensor summed
-# that way (its squares are a temporary copy: at most 16 MiB).
+# Elements summed per row by the matrix product of _sum_by_product, and the largest tensor summed
+# that way (what it sums is a temporary copy: at most 16 MiB).
 _ROW = 128
 _MOST_BY_PRODUCT = 1 << 22
 
 
 def _all_finite(gradient):
     """Whether every element of ``gradient`` is finite; a sparse one's rows only (its other
-    rows are zeros)."""
+    rows are zeros). Under XLA on a CPU the non-finite elements are counted by
+    :func:`_sum_by_product` (a count below 2**24 is exact in float32)."""
     if isinstance(gradient, tf.IndexedSlices):
         gradient = gradient.values
+    if _by_product(gradient):
+        flags = tf.cast(tf.logical_not(tf.math.is_finite(gradient)), "float32")
+        return _sum_by_product(flags) == 0.0
     return tf.reduce_all(tf.math.is_finite(gradient))
 
 
@@ -73,31 +77,41 @@ def _compiled_by_xla_on_cpu():
     return bool(GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
-def sum_of_squares(tensor):
-    """The sum of ``tensor``'s squared elements, in float32.
+def _by_product(tensor):
+    """Whether sums over ``tensor`` go through :func:`_sum_by_product`: under XLA on a CPU,
+    for a tensor of 512 to 4 Mi elements."""
+    size = tensor.shape.num_elements()
+    return size is not None and 4 * _ROW <= size <= _MOST_BY_PRODUCT and _compiled_by_xla_on_cpu()
+
+
+def _sum_by_product(elements):
+    """The sum of a float32 tensor's elements as XLA on a CPU runs it fast.
 
     XLA on a CPU compiles a reduction to one number into a single sequential loop: for the
-    535,818 gradients of an MLP 784-512-256-10 it took three times as long as the same sum by
-    TensorFlow's own kernel, a quarter of a micro-step (the noise scale's whole cost under
-    XLA). There the squares are laid out in rows of 128 and summed by a matrix product with a
-    column of ones, which XLA hands to its vectorised matrix kernels, and the rows' sums are
-    added. The squares are then a temporary copy, so a tensor of more than 4 Mi elements (an
-    embedding table's accumulator, read once a window) is summed the plain way. Elsewhere (no
-    XLA, or a GPU, where a matrix product may round to TF32) it is ``2 * l2_loss``: one pass,
-    with no squared copy.
+    535,818 gradients of an MLP 784-512-256-10 their squared norm took three times as long as
+    TensorFlow's own kernel, a quarter of a micro-step (the noise scale's whole cost under XLA;
+    the non-finite check's test of every element cost as much). Here the elements are laid out
+    in rows of 128 and summed by a matrix product with a column of ones, which XLA hands to its
+    vectorised matrix kernels, and the rows' sums are added. ``elements`` is computed into a
+    temporary copy for the product: hence the 4 Mi bound of :func:`_by_product` (16 MiB).
     """
-    tensor = tf.cast(tensor, "float32")
-    size = tensor.shape.num_elements()
-    by_product = size is not None and 4 * _ROW <= size <= _MOST_BY_PRODUCT
-    if not (by_product and _compiled_by_xla_on_cpu()):
-        return 2.0 * tf.nn.l2_loss(tensor)
-    flat = tf.reshape(tensor, [-1])
+    flat = tf.reshape(elements, [-1])
+    size = flat.shape[0]
     whole = size - size % _ROW
-    rows = tf.reshape(tf.square(flat[:whole]), [-1, _ROW])
-    total = tf.reduce_sum(tf.matmul(rows, tf.ones([_ROW, 1])))
+    total = tf.reduce_sum(tf.matmul(tf.reshape(flat[:whole], [-1, _ROW]), tf.ones([_ROW, 1])))
     if whole < size:
-        total += tf.reduce_sum(tf.square(flat[whole:]))
+        total += tf.reduce_sum(flat[whole:])
     return total
+
+
+def sum_of_squares(tensor):
+    """The sum of ``tensor``'s squared elements, in float32: ``2 * l2_loss`` (one pass, no
+    squared copy), or under XLA on a CPU by :func:`_sum_by_product`. Not on a GPU, where a
+    matrix product may round to TF32 and XLA's reductions are fast."""
+    tensor = tf.cast(tensor, "float32")
+    if _by_product(tensor):
+        return _sum_by_product(tf.square(tensor))
+    return 2.0 * tf.nn.l2_loss(tensor)
 
 
 def _scatter_add(variable, rows):

@@ -11,12 +11,13 @@ Inside compiled functions, without fit(), callbacks or tf.data, per window of 25
                (gacli's accumulation)
   densify-8    8 calls that make the same gradient dense and add it (gacli before)
   <opt>-dense  the window's update handed the dense sum (accumulators / count), then the
-               accumulators zeroed: what gacli does
+               accumulators zeroed: what gacli does under XLA
   <opt>-rows   the same update handed the window's touched rows, each once, as IndexedSlices
                (gathered from the accumulator), then only those rows zeroed; the touched rows are
                given, so this is the most a record of them could save
   <opt>-scan   the rows form, the touched rows found by scanning the accumulator for rows that
-               are not zero (no record needed; without XLA only, whose shapes must be static)
+               are not zero (no record needed; without XLA only, whose shapes must be static):
+               what gacli does without XLA
 
 for <opt> in Adam, SGD with momentum 0.9 and AdamW.
 

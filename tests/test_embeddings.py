@@ -155,19 +155,23 @@ def test_e5_an_accumulation_step_builds_no_table_sized_tensor(settings):
     assert "ResourceScatterAdd" in {op.type for op in graph.get_operations()}
 
 
-def test_e5_window_sums_repeated_rows_and_squares_their_sum():
-    """Window.add on rows with repeats: the accumulator holds their dense sum, and
-    window.squared_norm (the noise scale's |g_i|^2) is that of the summed rows, not of each
-    occurrence."""
-    state = {}
+def table_window():
+    """A (6, 2) table and a Window over it, its state in plain variables."""
 
     def add_state(name, shape=(), dtype="float32", per_replica=False, initial_value=0.0):
-        state[name] = tf.Variable(tf.fill(shape, tf.cast(initial_value, dtype)))
-        return state[name]
+        return tf.Variable(tf.fill(shape, tf.cast(initial_value, dtype)))
 
     table = tf.Variable(tf.zeros((6, 2)))
     window = Window(accum_steps=2, reduction=Reduction.mean, dtype="float32")
     window.build(add_state, [table])
+    return table, window
+
+
+def test_e5_window_sums_repeated_rows_and_squares_their_sum():
+    """Window.add on rows with repeats: the accumulator holds their dense sum, and
+    window.squared_norm (the noise scale's |g_i|^2) is that of the summed rows, not of each
+    occurrence."""
+    table, window = table_window()
     values = np.array([[1.0, 2.0], [3.0, -1.0], [0.5, 0.5], [-4.0, 1.0]], "float32")
     indices = np.array([4, 1, 4, 4], "int32")
     dense = np.zeros((6, 2), "float32")
@@ -183,3 +187,27 @@ def test_e5_window_sums_repeated_rows_and_squares_their_sum():
         keep=tf.constant(False),
     )
     np.testing.assert_allclose(window.accumulators[0].numpy(), dense)
+
+
+def test_e5_window_update_takes_and_zeroes_only_the_rows_it_holds():
+    """Without XLA, a sparse accumulator's window gradient is the tf.IndexedSlices of the rows
+    it holds, each once, whose dense form is the dense window gradient; the reset after the
+    update zeroes those rows in place and no other (no table-sized zeros)."""
+    table, window = table_window()
+    values = np.array([[1.0, 2.0], [3.0, -1.0], [0.5, 0.5]], "float32")
+    indices = np.array([4, 1, 4], "int32")
+    window.add({0: tf.IndexedSlices(tf.constant(values), tf.constant(indices), (6, 2))}, None, None)
+    dense = window.accumulators[0].numpy() / 4.0
+    (rows_gradient,), rows = window.gradients([0], [table], tf.constant(4.0), by_rows=True)
+    assert isinstance(rows_gradient, tf.IndexedSlices)
+    assert sorted(rows_gradient.indices.numpy().tolist()) == [1, 4]
+    np.testing.assert_array_equal(tf.convert_to_tensor(rows_gradient).numpy(), dense)
+    (dense_gradient,), no_rows = window.gradients([0], [table], tf.constant(4.0))
+    assert no_rows == {} and not isinstance(dense_gradient, tf.IndexedSlices)
+    np.testing.assert_array_equal(dense_gradient.numpy(), dense)
+    # A value in a row the window did not hold stays: only the rows given are zeroed.
+    window.accumulators[0].scatter_nd_update([[2]], [[7.0, 7.0]])
+    window.reset(rows)
+    expected = np.zeros((6, 2), "float32")
+    expected[2] = 7.0
+    np.testing.assert_array_equal(window.accumulators[0].numpy(), expected)

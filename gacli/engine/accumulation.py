@@ -38,6 +38,7 @@ from gacli.engine.window import (
     NoiseScale,
     NonFiniteGuard,
     Window,
+    in_xla_computation,
     squared_norm,
     sum_of_squares,
 )
@@ -558,16 +559,27 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             getattr(inner, name, None) for name in ("clipnorm", "global_clipnorm", "clipvalue")
         )
 
-    def _window_gradients(self, indices, denominator):
+    def _window_gradients(self, indices, denominator, by_rows=False):
+        """(gradients, variables, rows): the window's gradients for the variables at
+        ``indices``, and the rows of sparse accumulators they were taken from (see
+        ``Window.gradients``; ``by_rows`` asks for that form where it can be used)."""
         variables = [compat.built_variables(self)[index] for index in indices]
-        grads = self._window.gradients(indices, variables, denominator)
+        # Touched rows only on one device, without XLA, and unclipped by AGC (which reads
+        # whole tensors): the window's own gradient in a form that needs no table-sized copy.
+        by_rows = (
+            by_rows
+            and not self.use_agc
+            and not tf.distribute.has_strategy()
+            and not in_xla_computation()
+        )
+        grads, rows = self._window.gradients(indices, variables, denominator, by_rows)
         if self.use_agc:
             from gacli.engine.clipping import adaptive_clip_gradients
 
             grads = adaptive_clip_gradients(
                 grads, variables, self.clip_factor, self.eps, unit_axes=self.agc_unit_axes
             )
-        return grads, variables
+        return grads, variables, rows
 
     def _apply_in_replicas(self, in_each_replica, indices, replicas):
         """Apply the window, normalised by its samples over all replicas (D3). Clipping (AGC,
@@ -591,7 +603,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             in_each_replica(self._apply_window, indices, denominator)
             return
         # Read in cross-replica context, the accumulators come summed over replicas.
-        grads, _ = self._window_gradients(indices, denominator)
+        grads, _, _ = self._window_gradients(indices, denominator)
         grads = compat.clip_gradients(self.inner_optimizer, grads)
         # Each replica passes 1/R of the clipped gradient; the inner all-reduce sums them back.
         # Clipping is switched off here, once: replicas trace in threads of their own.
@@ -601,9 +613,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def _apply_window(self, indices, denominator):
         """In replica context: this replica's part of the window's gradient, applied (the
         inner optimizer sums the parts over replicas)."""
-        grads, variables = self._window_gradients(indices, denominator)
+        grads, variables, rows = self._window_gradients(indices, denominator, by_rows=True)
         self.inner_optimizer.apply(grads, variables)
-        self._after_update()
+        self._after_update(rows)
 
     def _apply_share(self, indices, share):
         """In replica context: ``share``, this replica's part of the reduced, clipped gradient."""
@@ -616,13 +628,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._guard.skip_window()
         self._reset_window()
 
-    def _after_update(self):
+    def _after_update(self, rows=None):
         if self._loss_scale is not None:
             self._loss_scale.after_update()
-        self._reset_window()
+        self._reset_window(rows)
 
-    def _reset_window(self):
-        self._window.reset()
+    def _reset_window(self, rows=None):
+        """Zero the window (of sparse accumulators, only ``rows``: see ``Window.reset``)."""
+        self._window.reset(rows)
         if self._guard is not None:
             self._guard.reset()
         if self._noise is not None:

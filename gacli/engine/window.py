@@ -17,12 +17,10 @@ Keras' and tf.distribute's.
 
 import tensorflow as tf
 
-from gacli.engine.options import NonFinite, Reduction
+# TensorFlow's own test for "this graph is part of an XLA computation" (not public API).
+from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
 
-try:  # TensorFlow's own test for "this graph is being compiled by XLA" (not public API)
-    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
-except ImportError:  # pragma: no cover - a TensorFlow without it sums the plain way
-    GraphOrParentsInXlaContext = None
+from gacli.engine.options import NonFinite, Reduction
 
 # Elements summed per row by the matrix product of _sum_by_product, and the largest tensor summed
 # that way (what it sums is a temporary copy: at most 16 MiB).
@@ -72,9 +70,7 @@ def squared_norm(gradients, factor):
 
 def _compiled_by_xla_on_cpu():
     """Whether the op being traced goes into an XLA computation for a CPU (no GPU visible)."""
-    if GraphOrParentsInXlaContext is None or tf.config.list_logical_devices("GPU"):
-        return False
-    return bool(GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    return in_xla_computation() and not tf.config.list_logical_devices("GPU")
 
 
 def _by_product(tensor):
@@ -130,6 +126,30 @@ def _value(variable):
     return tf.convert_to_tensor(variable)
 
 
+def in_xla_computation():
+    """Whether the graph being traced is (part of) an XLA computation, ``tf.function(...,
+    jit_compile=True)``'s: there a tensor's shape must be known before it runs. (TensorFlow has
+    no public test; this is the one its own ``tf.function`` makes.)"""
+    return bool(GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def _held_rows(value):
+    """The rows of an accumulator's ``value`` that are not all zero: those a sparse gradient
+    touched in the window (a row whose sum is exactly zero is left out; the dense gradient has
+    zeros there too). Its cost: one pass over the table, and one bool per element."""
+    rows = tf.reshape(value, [tf.shape(value)[0], -1])
+    return tf.where(tf.reduce_any(tf.not_equal(rows, 0), axis=1))[:, 0]
+
+
+def _scatter_zeros(variable, rows):
+    """Zero ``rows`` of ``variable`` in place (by its handle, as :func:`_scatter_add`)."""
+    shape = tf.concat([tf.shape(rows, out_type="int32"), variable.shape[1:]], axis=0)
+    zeros = tf.zeros(shape, variable.dtype)
+    if not isinstance(variable, tf.Variable):
+        variable = variable.value
+    tf.raw_ops.ResourceScatterUpdate(resource=variable.handle, indices=rows, updates=zeros)
+
+
 class Window:
     """The open window: a float accumulator per trainable variable, and what it holds.
 
@@ -138,12 +158,17 @@ class Window:
     (their gradients come already divided by the replica count, as Keras' ``train_step`` makes
     them); ``window_micro_steps`` and ``micro_step`` (the same on every replica); and
     ``gradient_mask``, which variables the last micro-batch had a gradient for.
+
+    ``sparse`` holds the indices of the variables whose gradients came as ``tf.IndexedSlices``
+    (embedding tables), as traced: it chooses the form of their window's gradient, never its
+    value (:meth:`gradients`).
     """
 
     def __init__(self, accum_steps, reduction, dtype):
         self.accum_steps = accum_steps
         self.reduction = reduction
         self.dtype = dtype
+        self.sparse = set()
 
     def build(self, add_state, variables):
         self.micro_step = add_state("micro_step", dtype="int64")
@@ -185,6 +210,7 @@ class Window:
                 # where, not multiplication: 0 * inf is nan.
                 contribution = tf.where(keep, contribution, tf.zeros_like(contribution))
             if sparse:
+                self.sparse.add(index)
                 _scatter_add(accumulator, tf.IndexedSlices(contribution, gradient.indices))
             else:
                 accumulator.assign_add(contribution)
@@ -224,23 +250,43 @@ class Window:
             return tf.constant(1.0)
         return _value(self.window_weight) + _value(self.window_unweighted) / float(replicas)
 
-    def gradients(self, indices, variables, denominator):
-        """The window's gradient for the variables at ``indices``, in their dtypes."""
-        return [
-            # divide_no_nan: a replica whose micro-batches were all skipped holds zeros, not 0/0.
-            tf.cast(
-                tf.math.divide_no_nan(
-                    _value(self.accumulators[index]),
-                    tf.cast(denominator, self.accumulators[index].dtype),
-                ),
-                variable.dtype,
-            )
-            for index, variable in zip(indices, variables)
-        ]
+    def gradients(self, indices, variables, denominator, by_rows=False):
+        """The window's gradient for the variables at ``indices``, in their dtypes, and the rows
+        :meth:`reset` must zero ({index: rows}; empty: every accumulator whole).
 
-    def reset(self):
-        for accumulator in self.accumulators:
-            accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
+        With ``by_rows``, a sparse variable's gradient is the ``tf.IndexedSlices`` of the rows
+        its accumulator holds, each once: the dense gradient's values, without a second
+        table-sized tensor beside the accumulator (the optimizer makes its dense form if it
+        needs one, as it does for a plain batch's embedding gradient). Finding the rows takes a
+        shape known only when it runs, so not under XLA (contract E5)."""
+        grads, rows = [], {}
+        for index, variable in zip(indices, variables):
+            # divide_no_nan: a replica whose micro-batches were all skipped holds zeros, not 0/0.
+            value = _value(self.accumulators[index])
+            divisor = tf.cast(denominator, value.dtype)
+            if by_rows and index in self.sparse:
+                rows[index] = _held_rows(value)
+                held = tf.gather(value, rows[index])
+                grads.append(
+                    tf.IndexedSlices(
+                        tf.cast(tf.math.divide_no_nan(held, divisor), variable.dtype),
+                        rows[index],
+                        dense_shape=tf.shape(value, out_type=rows[index].dtype),
+                    )
+                )
+            else:
+                grads.append(tf.cast(tf.math.divide_no_nan(value, divisor), variable.dtype))
+        return grads, rows
+
+    def reset(self, rows=None):
+        """Zero the window; ``rows`` ({index: rows}, from :meth:`gradients`): of those
+        accumulators, only these rows hold anything, and only they are zeroed, in place."""
+        rows = rows or {}
+        for index, accumulator in enumerate(self.accumulators):
+            if index in rows:
+                _scatter_zeros(accumulator, rows[index])
+            else:
+                accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
         self.window_weight.assign(0.0)
         self.window_unweighted.assign(0.0)
         self.window_micro_steps.assign(0)

@@ -396,6 +396,18 @@ class NonFiniteGuard:
         self.window_nonfinite.assign(0.0)
 
 
+def noise_from_two_sizes(mean_sq, mean_inverse, big_sq, big_count):
+    """(|G|^2, tr(Sigma)) from squared gradient norms at two batch sizes, by
+    ``E|g_b|^2 = |G|^2 + tr(Sigma) / b``: ``mean_sq`` is the mean of ``|g_i|^2`` over batches
+    whose mean of ``1 / b_i`` is ``mean_inverse``, ``big_sq`` the ``|g|^2`` of one batch of
+    ``big_count`` samples. Plain arithmetic, on tensors or floats: the engine's estimator and
+    ``probe=batch``'s measurement at the start weights share it."""
+    spread = mean_inverse - 1.0 / big_count
+    trace = (mean_sq - big_sq) / spread
+    grad_sq = (big_sq * mean_inverse - mean_sq / big_count) / spread
+    return grad_sq, trace
+
+
 class NoiseScale:
     """The gradient noise scale, measured from the micro-batches at the cost of one squared norm
     per micro-batch (McCandlish, Kaplan, Amodei et al., "An Empirical Model of Large-Batch
@@ -450,9 +462,10 @@ class NoiseScale:
         spread = mean_inverse - 1.0 / tf.maximum(big_count, 1.0)
         # Two sizes are needed: a window of one micro-batch on one replica says nothing.
         valid = (count > 0) & (big_count > 0) & (unweighted == 0) & (spread > 1e-9 * mean_inverse)
-        spread = tf.where(valid, spread, 1.0)
-        trace = (mean_sq - big_squared_norm) / spread
-        grad_sq = (big_squared_norm * mean_inverse - mean_sq / tf.maximum(big_count, 1.0)) / spread
+        # Where not valid the estimates may divide by zero; they are not used there.
+        grad_sq, trace = noise_from_two_sizes(
+            mean_sq, mean_inverse, big_squared_norm, tf.maximum(big_count, 1.0)
+        )
         decay = self.decay
 
         def moved(average, value):

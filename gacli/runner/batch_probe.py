@@ -24,6 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from gacli.engine.window import noise_from_two_sizes
 from gacli.errors import ConfigError, TrainingFailed
 from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, write_json
 from gacli.runner.console import make_console
@@ -154,11 +155,8 @@ class StartPoint:
         model.set_weights(self.weights)  # the batch-norm statistics training=True moved
         if used < 2:
             return None
-        small, big = micro, micro * used
-        small_sq = squared / used
         big_sq = sum(float(np.sum((t / used) ** 2)) for t in total)
-        grad_sq = (big * big_sq - small * small_sq) / (big - small)
-        trace_cov = (small_sq - big_sq) / (1 / small - 1 / big)
+        grad_sq, trace_cov = noise_from_two_sizes(squared / used, 1 / micro, big_sq, micro * used)
         scale = trace_cov / grad_sq if grad_sq > 0 else None
         return {
             "noise_scale": scale,

@@ -37,12 +37,12 @@ from gacli.errors import ConfigError, ProcessUnusable, TrainingFailed
 from gacli.rundir import (
     BATCH_PLAN_FILE,
     CHECKPOINT_DIR,
-    RESULT_FILE,
     check_usable,
     check_writable,
     is_chief,
     read_json,
     write_json,
+    write_result,
 )
 from gacli.runner.accum_schedule import AccumSchedule, StageTable, grown_accum_steps
 from gacli.runner.autobatch import HEADER, find_micro_batch_size, probe_key, probe_lines
@@ -636,7 +636,7 @@ class Run:
             if self.stages is not None:
                 result["samples_seen"] = self.callbacks.clock.layout.samples_before(micro_steps)
                 result["accum_schedule"] = self.stages.stages(updates, plan.global_micro_batch_size)
-            write_json(os.path.join(run_dir, RESULT_FILE), result)
+            write_result(run_dir, result)
         rows = {key: f"{value:.4f}" for key, value in final.items()}
         rows["updates / micro-batches"] = f"{updates} / {micro_steps}"
         rows["effective batch"] = plan.effective_batch_size

@@ -274,6 +274,15 @@ def test_precise_batchnorm_follows_the_stage(tmp_path):
     assert result["optimizer_step"] == 45 + 23
 
 
+def test_the_progress_total_is_the_sum_of_the_stages_updates(tmp_path, capsys):
+    """Stages of 45, 23 and 12 updates: 80 in all, not 3 x ceil(80 / 3) = 81, on every line."""
+    _, result = _run(tmp_path, *JOB, SCHEDULE, "progress=plain")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+    totals = [line.split("update ", 1)[1].split()[0] for line in lines]
+    assert totals == ["45/80", "68/80", "80/80"], lines
+    assert result["optimizer_step"] == 80
+
+
 # -- resume in the middle of a schedule -------------------------------------------------------
 RESUMED_JOB = (
     *JOB,
@@ -448,6 +457,9 @@ def test_gns_growth_follows_the_noise_scale_of_every_example(tmp_path, gns_data,
     measured = record(abs(logged / direct - 1), "test_accum_schedule gns: B_simple vs direct")
     assert measured < 0.35, (logged, direct)
     assert [s["accum_steps"] for s in result["accum_schedule"]] == [4, expected]
+    # The progress total follows the growth: the last line counts the run's updates.
+    (last,) = [line for line in printed.splitlines() if line.startswith("epoch 2/2")]
+    assert "update {0}/{0} ".format(result["optimizer_step"]) in last, last
 
     # The run again from its first epoch's checkpoint, as after a kill -9 there.
     resumed = str(tmp_path / "resumed")

@@ -6,7 +6,9 @@
 - ``result.json`` is written last, atomically: its presence marks a finished run, which nothing
   writes to again.
 - A run that failed while training leaves ``failure.json`` (exit code and message) beside its
-  checkpoints; one that failed on its input before training leaves nothing.
+  checkpoints; one that failed on its input before training leaves nothing. A resumed run that
+  finishes sets the failure it was resumed from aside as ``failure-before-resume.json``, so that
+  ``failure.json`` marks only a run that failed.
 
 No TensorFlow here: these checks answer before TensorFlow loads. Which checkpoint can really be
 restored is decided by :class:`gacli.runner.runstate.RunState`, which reads every tensor; the cheap
@@ -34,6 +36,8 @@ from gacli.errors import ConfigError
 
 RESULT_FILE = "result.json"
 FAILURE_FILE = "failure.json"
+# failure.json of a run that was resumed after it and then finished (kept as the run's history).
+EARLIER_FAILURE_FILE = "failure-before-resume.json"
 # The micro-batch a run chose for itself (micro_batch_size=auto, oom=recover); a resume keeps it.
 BATCH_PLAN_FILE = "batch_plan.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -214,6 +218,15 @@ def read_json(path):
         return None
 
 
+def write_result(run_dir, result):
+    """Write ``result.json``, which marks the run finished, then set aside the ``failure.json``
+    of an earlier attempt that this run was resumed from (renamed ``failure-before-resume.json``):
+    a finished run carries no failure.json."""
+    write_json(os.path.join(run_dir, RESULT_FILE), result)
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(os.path.join(run_dir, FAILURE_FILE), os.path.join(run_dir, EARLIER_FAILURE_FILE))
+
+
 def record_failure(run_dir, exit_code, message):
     """Mark a run that failed while training (its checkpoints stay; it can be resumed)."""
     if os.path.isdir(run_dir) and not os.path.exists(os.path.join(run_dir, RESULT_FILE)):
@@ -258,7 +271,7 @@ def check_ours(run_dir):
     names = sorted(name for name in os.listdir(run_dir) if not name.startswith(".writing-"))
     # A run from before runs held a lock file holds only names a run writes (a model.keras alone
     # is a user's file: a run writes it last, beside its result).
-    ours = _BEFORE_TRAINING | {FAILURE_FILE, RESULT_FILE, BATCH_PLAN_FILE}
+    ours = _BEFORE_TRAINING | {FAILURE_FILE, EARLIER_FAILURE_FILE, RESULT_FILE, BATCH_PLAN_FILE}
     if (
         LOCK_FILE in names
         or set(names) <= ours

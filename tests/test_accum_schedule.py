@@ -194,6 +194,95 @@ def test_accum_batchnorm_follows_the_stage(tmp_path):
     assert [s["accum_steps"] for s in result["accum_schedule"]] == [2, 4]
 
 
+# -- precise batch norm across stages ---------------------------------------------------------
+def _precise_statistics(model, x):
+    """Precise BN's statistics, computed here: the mean and variance of the batch norm's input
+    (the convolution's output, which no micro-batch grouping changes) over every training
+    sample, in float64; set on ``model``'s layer."""
+    import keras
+
+    (layer,) = [
+        layer for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+    inputs = np.asarray(keras.Model(model.input, layer.input)(x), "float64")
+    inputs = inputs.reshape(-1, inputs.shape[-1])
+    layer.moving_mean.assign(inputs.mean(0).astype("float32"))
+    layer.moving_variance.assign(inputs.var(0).astype("float32"))
+
+
+def _micro_batch_bn_reference(cfg, accum_by_epoch):
+    """Plain TensorFlow on ga-train's CNN and data in its order: one momentum SGD update per
+    window of ``accum_by_epoch[epoch]`` micro-batches, the gradient of the window's summed loss
+    over its samples, each micro-batch normalised by its own statistics (plain batch norm in
+    training mode); after each epoch the statistics of _precise_statistics and the val_loss.
+    Returns (final weights, val_loss per epoch)."""
+    import keras
+    import tensorflow as tf
+
+    from gacli.runner.data import load_dataset
+    from gacli.runner.models import build_model
+    from gacli.runner.runstate import pass_order
+
+    data = load_dataset(cfg.dataset, cfg.seed)
+    x, y = (np.stack(column) for column in zip(*data.train.as_numpy_iterator()))
+    val_x, val_y = (np.stack(column) for column in zip(*data.validation.as_numpy_iterator()))
+    keras.utils.set_random_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
+    optimizer = keras.optimizers.SGD(cfg.optimizer.learning_rate, momentum=cfg.optimizer.momentum)
+    summed = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    micro, val_losses = cfg.micro_batch_size, []
+    for epoch, accum in enumerate(accum_by_epoch):
+        order = pass_order(data.train_size, epoch, shuffle_seed=cfg.seed, buffer_size=10_000)
+        for start in range(0, data.train_size, micro * accum):
+            window = order[start : start + micro * accum]
+            with tf.GradientTape() as tape:
+                parts = [window[i : i + micro] for i in range(0, len(window), micro)]
+                total = sum(summed(y[p], model(x[p], training=True)) for p in parts)
+                value = total / len(window)
+            gradients = tape.gradient(value, model.trainable_variables)
+            optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        _precise_statistics(model, x)
+        logits = model(val_x, training=False)
+        val_losses.append(float(summed(val_y, logits)) / len(val_y))
+    return model.get_weights(), val_losses
+
+
+def test_precise_batchnorm_follows_the_stage(tmp_path):
+    """batchnorm=precise with accum_schedule={0:1,1:2}: training normalises each micro-batch by
+    its own statistics at every stage, and before each validation and at the end the moving
+    statistics are those of the whole training set under the current weights. Against plain
+    TensorFlow stage by stage: the final weights and statistics, and each epoch's val_loss."""
+    overrides = (
+        *JOB,
+        "epochs=2",
+        "model=cnn",
+        "model.filters=[4]",
+        "batchnorm=precise",
+        "precise_bn_micro_batches=45",  # every training micro-batch
+        "accum_schedule={0:1,1:2}",
+    )
+    run_dir, result = _run(tmp_path, *overrides)
+    weights, val_losses = _micro_batch_bn_reference(compose_config(*overrides), [1, 2])
+    measured = record(
+        weights_difference(final_weights(run_dir), weights),
+        "test_accum_schedule precise BN stages 32/64 vs plain TensorFlow",
+    )
+    assert measured <= 1e-5
+    _, events = event_tags(run_dir, every_point=True)
+    np.testing.assert_allclose(scalars(events, "val/loss"), val_losses, rtol=1e-5)
+    assert [s["accum_steps"] for s in result["accum_schedule"]] == [1, 2]
+    assert result["optimizer_step"] == 45 + 23
+
+
+def test_the_progress_total_is_the_sum_of_the_stages_updates(tmp_path, capsys):
+    """Stages of 45, 23 and 12 updates: 80 in all, not 3 x ceil(80 / 3) = 81, on every line."""
+    _, result = _run(tmp_path, *JOB, SCHEDULE, "progress=plain")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+    totals = [line.split("update ", 1)[1].split()[0] for line in lines]
+    assert totals == ["45/80", "68/80", "80/80"], lines
+    assert result["optimizer_step"] == 80
+
+
 # -- resume in the middle of a schedule -------------------------------------------------------
 RESUMED_JOB = (
     *JOB,
@@ -368,6 +457,9 @@ def test_gns_growth_follows_the_noise_scale_of_every_example(tmp_path, gns_data,
     measured = record(abs(logged / direct - 1), "test_accum_schedule gns: B_simple vs direct")
     assert measured < 0.35, (logged, direct)
     assert [s["accum_steps"] for s in result["accum_schedule"]] == [4, expected]
+    # The progress total follows the growth: the last line counts the run's updates.
+    (last,) = [line for line in printed.splitlines() if line.startswith("epoch 2/2")]
+    assert "update {0}/{0} ".format(result["optimizer_step"]) in last, last
 
     # The run again from its first epoch's checkpoint, as after a kill -9 there.
     resumed = str(tmp_path / "resumed")

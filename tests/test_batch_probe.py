@@ -2,6 +2,7 @@
 weights, same samples in the same order), a branch leaves nothing behind in the next, and bad
 probe settings end with one paragraph and exit code 2 before TensorFlow loads."""
 
+import glob
 import json
 import os
 import shutil
@@ -12,7 +13,14 @@ import pytest
 
 from gacli.runner.batch_probe import critical_batch_size, probe_batch
 from gacli.runner.train import train
-from helpers import compose_config, final_weights, ga_train, record, weights_difference
+from helpers import (
+    compose_config,
+    final_weights,
+    ga_train,
+    record,
+    run_dir_of,
+    weights_difference,
+)
 
 # The default job's digits MLP (micro-batch 32) on 512 samples per size.
 JOB = ("optimizer=momentum", "optimizer.learning_rate=0.05", "progress=none")
@@ -115,3 +123,32 @@ def test_a_probe_key_without_the_probe_is_refused(tmp_path):
     code, output = ga_train("probe.samples=512", cwd=tmp_path)
     assert code == 2 and "Traceback" not in output
     assert "probe.samples is read only with probe=batch" in output
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_probe_under_two_replicas_branches_are_the_plain_mirrored_runs(tmp_path):
+    """strategy=mirrored on 2 logical CPUs (micro-batches of 16 per replica): branch 128 runs
+    after branch 32 in the same process, and ends with the weights and val_loss of the plain
+    mirrored run of effective batch 128 over the same 512 samples."""
+    mirrored = ("strategy=mirrored", "strategy.logical_cpus=2", "micro_batch_size=16")
+    plain = ("effective_batch_size=128", "epochs=1", "steps_per_epoch=4")
+    for folder in ("plain", "probe"):
+        (tmp_path / folder).mkdir()
+    code, output = ga_train(*JOB, *mirrored, *plain, cwd=tmp_path / "plain")
+    assert code == 0 and "(2 replicas)" in output, output
+    plain_dir = run_dir_of(output)
+    code, output = ga_train(*JOB, *mirrored, *PROBE, cwd=tmp_path / "probe")
+    assert code == 0 and "(2 replicas)" in output, output
+    (probe_dir,) = glob.glob(str(tmp_path / "probe" / "outputs" / "default" / "*"))
+    branch_dir = os.path.join(probe_dir, "branches", "effective_128")
+    difference = record(weights_difference(final_weights(plain_dir), final_weights(branch_dir)))
+    assert difference == 0.0
+    with open(os.path.join(probe_dir, "probe.json")) as file:
+        probe = json.load(file)
+    with open(os.path.join(plain_dir, "result.json")) as file:
+        expected = json.load(file)
+    sizes = {row["effective_batch_size"]: row for row in probe["sizes"]}
+    assert sizes[128]["val_loss"] == expected["val_loss"]
+    assert [sizes[32]["accum_steps"], sizes[128]["accum_steps"]] == [1, 4]  # 16 x 2 replicas
+    assert [sizes[32]["updates"], sizes[128]["updates"]] == [16, 4]

@@ -287,3 +287,49 @@ def test_a_run_stopped_after_its_last_checkpoint_resumes_to_the_same_metrics(tmp
     for key in ("loss", "accuracy", "val_loss", "val_accuracy", "weights_sha256"):
         assert resumed[key] == finished[key], key
     assert os.path.exists(os.path.join(run_dir, "model.keras"))
+
+
+# In a process of its own: the lock is checked in the process that ran, after the run ended.
+FINISH_AND_CHECK_THE_LOCK = """
+import fcntl, sys
+from gacli import rundir
+from gacli.runner.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as stop:
+    print("exit code:", stop.code)
+with open("run/.gacli.lock") as handle:
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while still held
+print("lock free; held:", len(rundir._held))
+"""
+
+
+def test_a_resumed_run_that_finishes_sets_its_failure_aside_and_frees_its_lock(tmp_path):
+    """A run that fails while training (an out-of-memory error injected at micro-step 50, in its
+    second epoch) leaves failure.json; resumed, it finishes: result.json, no failure.json (the
+    earlier one kept as failure-before-resume.json), and its lock released by the process that
+    ran it; the lock file stays as the record of who ran it, which ga-report reads."""
+    job = ("epochs=2", "progress=none", "hydra.run.dir=run")
+    fault = {"GACLI_FAKE_OOM_ABOVE": "1", "GACLI_FAKE_OOM_FROM_MICRO_STEP": "50"}
+    code, output = ga_train(*job, cwd=tmp_path, env=fault)
+    assert code == 1 and "Out of device memory" in output, output
+    failure = json.load(open(tmp_path / "run" / "failure.json"))
+    assert not (tmp_path / "run" / "result.json").exists()
+
+    done = subprocess.run(
+        [sys.executable, "-c", FINISH_AND_CHECK_THE_LOCK, *job, "resume=run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert "lock free; held: 0" in output, output
+    names = set(os.listdir(tmp_path / "run"))
+    assert {"result.json", "failure-before-resume.json", ".gacli.lock"} <= names, names
+    assert "failure.json" not in names
+    assert json.load(open(tmp_path / "run" / "failure-before-resume.json")) == failure
+    assert (tmp_path / "run" / ".gacli.lock").read_text().startswith("ga-train, pid ")
+    # The finished run is never written to again.
+    code, output = ga_train(*job, "resume=run", cwd=tmp_path)
+    assert code == 2 and "holds a finished run" in output, output

@@ -289,6 +289,9 @@ class StageTable:
     def accum_steps(self, epoch):
         return int(self.module.accum_steps[epoch].numpy())
 
+    def first_update(self, epoch):
+        return int(self.module.first_update[epoch].numpy())
+
     def record(self, epoch, accum_steps, first_update):
         self.module.accum_steps[epoch].assign(accum_steps)
         self.module.first_update[epoch].assign(first_update)

@@ -76,8 +76,9 @@ def micro_batches_done(batch, params):
 class ProgressCallback(keras.callbacks.Callback):
     """Progress by optimizer update and micro-batch, as a rich bar or as plain lines.
 
-    ``clock``: the run's :class:`~gacli.runner.throughput.TrainingClock`, placed before this
-    callback.
+    ``total_updates``: the run's optimizer updates (a schedule's stages summed; under
+    ``accum_schedule=gns``, re-estimated at each stage by :meth:`set_total`). ``clock``: the run's
+    :class:`~gacli.runner.throughput.TrainingClock`, placed before this callback.
     """
 
     def __init__(
@@ -86,7 +87,7 @@ class ProgressCallback(keras.callbacks.Callback):
         mode,
         plan,
         accumulator,
-        updates_per_epoch,
+        total_updates,
         epochs,
         parallel_jobs=False,
         *,
@@ -97,7 +98,7 @@ class ProgressCallback(keras.callbacks.Callback):
         self.plan = plan
         self.accumulator = accumulator
         self.clock = clock
-        self.updates_per_epoch = updates_per_epoch
+        self.total_updates = total_updates
         self.epochs = epochs
         if mode == ProgressMode.auto:
             mode = (
@@ -113,6 +114,12 @@ class ProgressCallback(keras.callbacks.Callback):
 
     def replan(self, plan, recoveries):
         self.plan = plan
+
+    def set_total(self, total_updates):
+        """The run's updates, known better now (accum_schedule=gns after a stage began)."""
+        self.total_updates = total_updates
+        if self._progress is not None:
+            self._progress.update(self._task, total=total_updates)
 
     def on_train_begin(self, logs=None):
         # Called once per fit(); a resumed run's first epoch is a fit() of its own.
@@ -134,7 +141,7 @@ class ProgressCallback(keras.callbacks.Callback):
             self._progress.start()
             self._task = self._progress.add_task(
                 "train",
-                total=self.updates_per_epoch * self.epochs,
+                total=self.total_updates,
                 epoch=1,
                 micro=0,
                 metrics="",
@@ -168,7 +175,7 @@ class ProgressCallback(keras.callbacks.Callback):
         micro_step = int(self.accumulator.micro_step.numpy())
         self.console.print(
             f"{prefix}update {int(self.accumulator.optimizer_step.numpy())}"
-            f"/{self.updates_per_epoch * self.epochs}  micro-batch {micro_step}  "
+            f"/{self.total_updates}  micro-batch {micro_step}  "
             f"{_format_logs(logs)}  {self._speed(micro_step)}",
             soft_wrap=True,
         )

@@ -37,14 +37,19 @@ from gacli.errors import ConfigError, ProcessUnusable, TrainingFailed
 from gacli.rundir import (
     BATCH_PLAN_FILE,
     CHECKPOINT_DIR,
-    RESULT_FILE,
     check_usable,
     check_writable,
     is_chief,
     read_json,
     write_json,
+    write_result,
 )
-from gacli.runner.accum_schedule import AccumSchedule, StageTable, grown_accum_steps
+from gacli.runner.accum_schedule import (
+    AccumSchedule,
+    StageTable,
+    grown_accum_steps,
+    updates_in_epoch,
+)
 from gacli.runner.autobatch import HEADER, find_micro_batch_size, probe_key, probe_lines
 from gacli.runner.config import (
     FREE_ON_RESUME,
@@ -247,7 +252,7 @@ class Run:
             cfg.progress,
             plan,
             accumulator,
-            math.ceil(self.steps.total_updates / cfg.epochs),
+            self.steps.total_updates,
             cfg.epochs,
             self.parallel_jobs,
             clock=clock,
@@ -457,6 +462,11 @@ class Run:
             for reporter in self.callbacks.reporters():
                 reporter.replan(self.plan, 0)
         self.job.scaled_rate.set_scale(self.schedule.learning_rate_factor(accum_steps))
+        if self.schedule.grows:  # the updates left, at this stage's accum_steps from now on
+            window = self.cfg.partial_window.value
+            left = updates_in_epoch(self.steps.micro_batches, accum_steps, window)
+            done = self.stages.first_update(epoch)
+            self.callbacks.progress.set_total(done + left * (self.cfg.epochs - epoch))
 
     def _stage_accum_steps(self, epoch):
         """accum_steps of an epoch not yet started: the fixed schedule's, or gns's decision."""
@@ -636,7 +646,7 @@ class Run:
             if self.stages is not None:
                 result["samples_seen"] = self.callbacks.clock.layout.samples_before(micro_steps)
                 result["accum_schedule"] = self.stages.stages(updates, plan.global_micro_batch_size)
-            write_json(os.path.join(run_dir, RESULT_FILE), result)
+            write_result(run_dir, result)
         rows = {key: f"{value:.4f}" for key, value in final.items()}
         rows["updates / micro-batches"] = f"{updates} / {micro_steps}"
         rows["effective batch"] = plan.effective_batch_size

@@ -541,7 +541,7 @@ def _refuse_jit_across_devices(cfg, replicas):
             "compiles the whole replicated step as one XLA program, and TensorFlow cannot run "
             'one XLA program on variables held by several devices ("Trying to access resource '
             '... located in device CPU:1 from device CPU:0", the same on GPUs; '
-            "tensorflow/tensorflow#53140, keras-team/keras#19005). Use jit_compile=false with "
+            "tensorflow/tensorflow#53140, keras-team/keras#18145). Use jit_compile=false with "
             "strategy=mirrored, or jit_compile=true on one device (strategy=default)."
         )
 

@@ -99,6 +99,10 @@ def test_under_xla_the_squared_norms_and_estimates_are_those_without_it():
     tensors = [rng.normal(size=shape).astype("float32") for shape in [(784, 130), (640,), (7, 9)]]
     compiled = tf.function(lambda t: sum_of_squares(t), jit_compile=True)
     for tensor in tensors:
+        # The product is what is traced for 512 elements or more, not for the 63 of (7, 9).
+        graph = compiled.get_concrete_function(tf.TensorSpec(tensor.shape)).graph
+        by_product = "MatMul" in {op.type for op in graph.get_operations()}
+        assert by_product == (tensor.size >= 512)
         exact = float(np.sum(np.square(tensor.astype(np.float64))))
         assert float(compiled(tf.constant(tensor))) == pytest.approx(exact, rel=1e-6)
         assert float(sum_of_squares(tf.constant(tensor))) == pytest.approx(exact, rel=1e-6)

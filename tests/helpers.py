@@ -61,13 +61,13 @@ def make_data(num_samples=70, seed=0):
     return x, y.astype("float32")
 
 
-def mlp_layers(seed=0):
-    """Symbolic inputs/outputs of a small MLP with deterministic initial weights."""
+def mlp_layers(seed=0, features=FEATURES, hidden=8, outputs=1, activation="tanh"):
+    """Symbolic inputs/outputs of a small MLP (one hidden layer) with deterministic initial
+    weights."""
     keras.utils.set_random_seed(seed)
-    inputs = keras.Input((FEATURES,))
-    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
-    outputs = keras.layers.Dense(1)(hidden)
-    return inputs, outputs
+    inputs = keras.Input((features,))
+    hidden_layer = keras.layers.Dense(hidden, activation=activation)(inputs)
+    return inputs, keras.layers.Dense(outputs)(hidden_layer)
 
 
 def plain_model(seed=0):

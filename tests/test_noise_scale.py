@@ -10,6 +10,7 @@ import pytest
 from helpers import (
     event_tags,
     ga_train,
+    mlp_layers,
     noise_scale_run,
     run_dir_of,
     scalars,
@@ -111,11 +112,9 @@ def test_under_xla_the_squared_norms_and_estimates_are_those_without_it():
     y = rng.integers(0, 10, 160)
     estimates = []
     for jit in (False, True):
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((784,))
-        hidden = keras.layers.Dense(130, activation="relu")(inputs)
+        inputs, outputs = mlp_layers(1, features=784, hidden=130, outputs=10, activation="relu")
         model = gacli.GradientAccumulateModel(
-            accum_steps=4, noise_scale=True, inputs=inputs, outputs=keras.layers.Dense(10)(hidden)
+            accum_steps=4, noise_scale=True, inputs=inputs, outputs=outputs
         )
         model.compile(
             optimizer=keras.optimizers.SGD(0.01),

@@ -159,11 +159,9 @@ def test_under_xla_a_non_finite_gradient_is_found_as_without_it(policy):
     x[40, 7] = np.nan
     ends = []
     for jit in (False, True):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((40,))
-        hidden = keras.layers.Dense(70, activation="tanh")(inputs)
+        inputs, outputs = mlp_layers(0, features=40, hidden=70)
         model = gacli.GradientAccumulateModel(
-            accum_steps=2, inputs=inputs, outputs=keras.layers.Dense(1)(hidden), nonfinite=policy
+            accum_steps=2, inputs=inputs, outputs=outputs, nonfinite=policy
         )
         model.compile(
             optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=4, jit_compile=jit

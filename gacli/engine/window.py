@@ -22,6 +22,9 @@ from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
 
 from gacli.engine.options import NonFinite, Reduction
 
+# The name of the conditional that adds a micro-batch unless the non-finite check drops it.
+ADD_IF_KEPT = "add_if_kept"
+
 # Elements summed per row by the matrix product of _sum_by_product, and the largest tensor summed
 # that way (what it sums is a temporary copy: at most 16 MiB).
 _ROW = 128
@@ -200,6 +203,17 @@ class Window:
         A sparse gradient (``tf.IndexedSlices``, an embedding's) is added row by row with a
         scatter: every cost here is proportional to the micro-batch's rows, never the table's
         (contract row E5)."""
+        if keep is not None and not in_xla_computation():
+            # Without XLA a graph conditional leaves a dropped micro-batch out outright, with no
+            # pass of tf.where (and its zeros) over every gradient of every micro-batch. Inside
+            # XLA a conditional copies every variable its branch writes: there, tf.where.
+            tf.cond(
+                keep, lambda: self._add(gradients, factor, None), lambda: None, name=ADD_IF_KEPT
+            )
+        else:
+            self._add(gradients, factor, keep)
+
+    def _add(self, gradients, factor, keep):
         for index, gradient in gradients.items():
             accumulator = self.accumulators[index]
             sparse = isinstance(gradient, tf.IndexedSlices)

@@ -18,8 +18,10 @@ Configurations, all on the same model, data pipeline, loss, metrics and SGD opti
 and two references outside the targets, to show where the time goes:
     A_spe            A with steps_per_execution=k: plain Keras with the same calls
     gacli_model_1    gacli_model with one micro-batch a call (Keras' default)
-    gacli_model_gns  gacli_model measuring the gradient noise scale (noise_scale=True): its
-                     paired ratio to gacli_model is the cost of ga-train's monitor.gns
+    gacli_model_gns  gacli_model measuring the gradient noise scale as ga-train's monitor.gns
+                     does (noise_scale=True, noise_scale_every=monitor.gns_every's default): its
+                     paired ratio to gacli_model is the cost of monitor.gns
+                     (GACLI_BENCH_GNS_EVERY=n: every n-th window measured instead)
 
 Writes results/<name>.md (medians, paired ratios, targets), results/<name>.json (every raw number)
 and results/<name>.png (paired ratio vs A per configuration).
@@ -228,8 +230,13 @@ def build_library_config(spec):
         )
     else:
         optimizer = keras.optimizers.SGD(LEARNING_RATE)
-    if name in ("gacli_model", "gacli_model_1", "gacli_model_gns"):
-        model = gacli.wrap_model(model, accum_steps=k, noise_scale=name == "gacli_model_gns")
+    if name in ("gacli_model", "gacli_model_1"):
+        model = gacli.wrap_model(model, accum_steps=k)
+    elif name == "gacli_model_gns":
+        from gacli.runner.config import MonitorConfig
+
+        every = int(os.environ.get("GACLI_BENCH_GNS_EVERY", MonitorConfig.gns_every))
+        model = gacli.wrap_model(model, accum_steps=k, noise_scale=True, noise_scale_every=every)
     model.compile(
         optimizer=optimizer,
         loss=loss,

@@ -413,9 +413,10 @@ def noise_scale_direct(model, x, y):
     return float((mean**2).sum()), float(((per_example - mean) ** 2).sum(axis=1).mean())
 
 
-def noise_scale_run(label_noise, epochs=4, strategy=None, accum_steps=K_GNS):
-    """Train at learning rate 0 (fixed weights) with noise_scale=True under ``strategy``:
-    (the direct (|G|^2, tr Sigma), the engine's raw estimates per window, its summary)."""
+def noise_scale_run(label_noise, epochs=4, strategy=None, accum_steps=K_GNS, every=1):
+    """Train at learning rate 0 (fixed weights) with noise_scale=True (measured every ``every``
+    windows) under ``strategy``: (the direct (|G|^2, tr Sigma), the engine's raw estimates after
+    each window, its summary)."""
     x, y = noise_scale_data(label_noise)
     keras.utils.set_random_seed(0)
     with (strategy or tf.distribute.get_strategy()).scope():
@@ -423,6 +424,7 @@ def noise_scale_run(label_noise, epochs=4, strategy=None, accum_steps=K_GNS):
         model = gacli.GradientAccumulateModel(
             accum_steps=accum_steps,
             noise_scale=True,
+            noise_scale_every=every,
             inputs=inputs,
             outputs=keras.layers.Dense(GNS_CLASSES)(inputs),
         )

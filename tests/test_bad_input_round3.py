@@ -27,6 +27,7 @@ RANGES = [
     ("dataset.num_classes=-1", "dataset.num_classes=-1 must be >= 0"),
     ("model.hidden_units=[64,0]", "model.hidden_units=[64, 0] and model.filters=[16, 32]"),
     ("dataset.channels=2", "dataset.channels=2 must be 1 (grey) or 3 (colour)"),
+    ("monitor.gns_every=0", "monitor.gns_every=0 must be >= 1"),
 ]
 INERT = [
     (("dataset.image_size=16",), "dataset.image_size is read only with dataset=shapes or"),
@@ -37,6 +38,7 @@ INERT = [
     (("strategy.port=29500",), "strategy.port is read only with strategy.cluster=slurm"),
     (("optimizer.decay_rate=0.9",), "optimizer.decay_rate is read only with"),
     (("dataset=shapes", "dataset.x_key=images"), "dataset.x_key is read only with dataset=npz"),
+    (("monitor.gns_every=4",), "monitor.gns_every is read only with monitor.gns=true"),
 ]
 
 

@@ -131,3 +131,27 @@ def test_under_xla_the_squared_norms_and_estimates_are_those_without_it():
     # One window's |G|^2 is a difference of two squared norms of the order of tr(Sigma) / b,
     # which cancel here (-0.24 from terms of ~60): their rounding is its scale.
     assert xla["grad_sq_raw"] == pytest.approx(plain["grad_sq_raw"], abs=1e-6 * plain["trace_raw"])
+
+
+def test_measured_every_third_window_the_estimates_are_those_windows():
+    """noise_scale_every=3 measures windows 0, 3, 6, ... of the optimizer's updates and no
+    other: at fixed weights each measured window's raw estimates equal those of the run that
+    measures every window, and the smoothed values are the bias-corrected moving average
+    (decay 0.95) of those windows alone. Measured: equal to the last digit."""
+    import numpy as np
+
+    _, every_window, _ = noise_scale_run(1.5, epochs=1)
+    _, raw, summary = noise_scale_run(1.5, epochs=1, every=3)
+    measured = every_window[::3]
+    assert summary["windows"] == len(measured) == 22  # 64 windows: 0, 3, ..., 63
+    # After window w the raw estimates are those of the last measured window at or before w.
+    np.testing.assert_array_equal(raw, every_window[(np.arange(len(raw)) // 3) * 3])
+    grad_sq = trace = weight = 0.0
+    for window_grad_sq, window_trace in measured:
+        grad_sq = 0.95 * grad_sq + 0.05 * window_grad_sq
+        trace = 0.95 * trace + 0.05 * window_trace
+        weight = 0.95 * weight + 0.05
+    print(summary, trace / grad_sq)
+    assert summary["grad_sq"] == pytest.approx(grad_sq / weight, rel=1e-5)
+    assert summary["trace_cov"] == pytest.approx(trace / weight, rel=1e-5)
+    assert summary["noise_scale"] == pytest.approx(trace / grad_sq, rel=1e-5)

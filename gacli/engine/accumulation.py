@@ -254,7 +254,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if config.loss_scaling:
             self._loss_scale = LossScale(config.initial_scale, config.dynamic_growth_steps)
         self._guard = NonFiniteGuard(config.nonfinite) if config.nonfinite else None
-        self._noise = NoiseScale(config.noise_scale_decay) if config.noise_scale else None
+        self._noise = None
+        if config.noise_scale:
+            self._noise = NoiseScale(config.noise_scale_decay, config.noise_scale_every)
         # Whether the end of the current fit() is the end of training (see fit_continues).
         self.fit_ends_training = True
         # AGC's unit axes by variable path, from the model's layers (gacli.agc_unit_axes); None:
@@ -469,9 +471,29 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """Hand the noise scale |g|^2 of this micro-batch's mean-loss gradient, from what the
         window adds (``gradients`` times ``factor``): the gradient of the micro-batch's summed
         loss, unscaled (the mean's times the sample count), however the caller wrote the loss."""
-        to_mean = 1.0 / tf.cast(sample_count, "float32")
-        squared = squared_norm(gradients, factor)
-        self._noise.observe(squared * tf.square(to_mean), sample_count, keep)
+
+        def observe():
+            to_mean = 1.0 / tf.cast(sample_count, "float32")
+            squared = squared_norm(gradients, factor)
+            self._noise.observe(squared * tf.square(to_mean), sample_count, keep)
+
+        self._if_noise_measured(observe)
+
+    def _if_noise_measured(self, measure):
+        """Run ``measure`` (which returns nothing) in a window the noise scale measures: always
+        with ``noise_scale_every=1``, otherwise under a graph conditional, so that the squared
+        norms of the windows it skips are never computed. (Without XLA, on the MLP of
+        ``benchmarks/``, a conditional that takes the gradients in cost about 2% of a window
+        whether it ran or not.)"""
+        if self._noise.every == 1:
+            measure()
+            return
+        tf.cond(
+            self._noise.measures(self.iterations),
+            lambda: measure(),
+            lambda: None,
+            name="measure_noise_scale",
+        )
 
     def _weighs(self, sample_count):
         return sample_count is not None and self.reduction is Reduction.mean
@@ -589,16 +611,20 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         cross-replica context, and handed to every replica."""
         denominator = self._window.denominator(replicas)
         if self._noise is not None:
-            # |G_B|^2 of the whole window: under several replicas, reading the accumulators here
-            # sums them, one all-reduce more per window.
-            squared = tf.add_n(
-                [sum_of_squares(_summed(self._window.accumulators[index])) for index in indices]
-            ) / tf.square(denominator)
-            self._noise.update(
-                squared,
-                _summed(self._window.window_weight),
-                _summed(self._window.window_unweighted),
-            )
+
+            def measure():
+                # |G_B|^2 of the whole window: under several replicas, reading the accumulators
+                # here sums them, one all-reduce more per measured window.
+                squared = tf.add_n(
+                    [sum_of_squares(_summed(self._window.accumulators[i])) for i in indices]
+                ) / tf.square(denominator)
+                self._noise.update(
+                    squared,
+                    _summed(self._window.window_weight),
+                    _summed(self._window.window_unweighted),
+                )
+
+            self._if_noise_measured(measure)
         if replicas == 1 or not self._clips():
             in_each_replica(self._apply_window, indices, denominator)
             return

@@ -67,7 +67,9 @@ class AccumulationConfig:
             window's loss is divided by.
         noise_scale: measure the gradient noise scale from the micro-batches
             (:class:`gacli.engine.window.NoiseScale`): one squared norm per micro-batch.
-        noise_scale_decay: the decay of its moving averages, in windows.
+        noise_scale_every: measure it on every ``n``-th window only (its micro-batches and its
+            whole), by the optimizer's update count: the other windows cost nothing more.
+        noise_scale_decay: the decay of its moving averages, per measured window.
     """
 
     accum_steps: int = 1
@@ -83,6 +85,7 @@ class AccumulationConfig:
     nonfinite: NonFinite | None = None
     loss_normalization: LossNormalization = LossNormalization.batch
     noise_scale: bool = False
+    noise_scale_every: int = 1
     noise_scale_decay: float = 0.95
 
     def __post_init__(self):
@@ -124,6 +127,13 @@ class AccumulationConfig:
                 f"noise_scale_decay={decay!r} must be in [0, 1), e.g. noise_scale_decay=0.95."
             )
         set_("noise_scale_decay", float(decay))
+        every = self.noise_scale_every
+        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
+            raise ValueError(
+                f"noise_scale_every={every!r} must be a whole number >= 1 (windows between "
+                "measurements), e.g. noise_scale_every=4."
+            )
+        set_("noise_scale_every", int(every))
         if self.noise_scale and self.reduction is Reduction.sum:
             raise ValueError(
                 "noise_scale compares mean gradients of two batch sizes; reduction='sum' gives "

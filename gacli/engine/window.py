@@ -439,10 +439,21 @@ class NoiseScale:
     are kept in ``gns_grad_sq_raw`` / ``gns_trace_raw``; exponential moving averages of both
     (``decay``, bias-corrected) and their ratio ``noise_scale()`` smooth them, as the paper does.
     Micro-batches without a sample count, or a window holding any, give no estimate.
+
+    With ``every`` > 1 only every ``every``-th window is measured (:meth:`measures`): the
+    averages then move once per measured window, and the squared norms of the others are not
+    computed.
     """
 
-    def __init__(self, decay):
+    def __init__(self, decay, every=1):
         self.decay = decay
+        self.every = every
+
+    def measures(self, updates):
+        """Whether the window after ``updates`` optimizer updates is measured (a boolean
+        tensor): the first, then every ``every``-th. A skipped window leaves ``updates`` as it
+        was, so its successor is measured or not as it was."""
+        return tf.equal(tf.math.floormod(tf.cast(updates, "int64"), self.every), 0)
 
     def build(self, add_state):
         # Per replica: sums over this replica's micro-batches of the window.

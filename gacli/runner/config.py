@@ -189,6 +189,10 @@ class MonitorConfig:
     # run's summary that compares it with the effective batch. Off by default: it cost the MLP
     # benchmark more than 2% of its speed (docs/guides/batch-size.md).
     gns: bool = False
+    # Measure it on every n-th window only (its micro-batches and its whole), by the update
+    # count: the squared norms of the others are not computed. The smoothing moves once per
+    # measured window.
+    gns_every: int = 1
 
 
 @dataclass
@@ -759,6 +763,7 @@ _RANGES = {
     "strategy.port": (1, 65535, True, "strategy.port=29500"),
     "strategy.logical_cpus": (0, None, True, "strategy.logical_cpus=2 (0: devices as they are)"),
     "precision.max_skipped_fraction": (0.0, 1.0, True, "precision.max_skipped_fraction=0.25"),
+    "monitor.gns_every": (1, None, True, "monitor.gns_every=4"),
 }
 
 
@@ -813,6 +818,7 @@ _READ_ONLY_BY = {
     "optimizer.decay_updates": ("optimizer.schedule", ("cosine", "exponential")),
     "optimizer.base_batch_size": ("optimizer.lr_scaling", ("linear", "sqrt")),
     "optimizer.clip_factor": ("optimizer.use_agc", (True,)),
+    "monitor.gns_every": ("monitor.gns", (True,)),
     "strategy.logical_cpus": ("strategy.name", ("mirrored",)),
     "strategy.devices": ("strategy.name", ("mirrored", "one_device")),
     "strategy.tpu": ("strategy.name", ("tpu",)),

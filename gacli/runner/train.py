@@ -1085,6 +1085,7 @@ def accumulation_config(cfg, plan):
         clip_factor=cfg.optimizer.clip_factor,
         nonfinite=_nonfinite_policy(cfg.precision),
         noise_scale=cfg.monitor.gns,
+        noise_scale_every=cfg.monitor.gns_every,
     )
 
 

@@ -9,7 +9,9 @@ element of them. Both are a reduction of each gradient to one number. On the MLP
   squares        sum of squares as a reduction: 2 * tf.nn.l2_loss (gacli's form without XLA)
   squares-by-mm  the squares in rows of 128 times a column of ones (gacli's form under XLA)
   finite         tf.reduce_all(tf.math.is_finite(g)) per gradient
-  finite-by-mm   the non-finite elements counted by the same product (gacli's form under XLA)
+  finite-by-mm   gacli's form: under XLA the non-finite elements counted by the same product;
+                 without XLA each gradient, in rows of its last axis, times a column of 2**-64,
+                 summed (finite exactly when every element is)
 
 and prints the median microseconds per call over interleaved rounds, and each form's cost above
 ``nothing``. gacli's own functions give the by-mm forms (``gacli.engine.window``).

@@ -180,3 +180,36 @@ def test_under_xla_a_non_finite_gradient_is_found_as_without_it(policy):
     apart = max(float(np.max(np.abs(a - b))) for a, b in zip(*ends))
     print(f"{policy}: XLA and not {apart:.2e} apart")
     assert apart <= 1e-6
+
+
+def test_the_finiteness_test_by_a_scaled_product_finds_every_non_finite_element():
+    """Without XLA on a CPU, a float32 gradient is tested by its product with a column of
+    2**-64, summed: a nan, an infinity or both signs of it anywhere make it non-finite; finite
+    elements as large as float32 holds (whose plain sum overflows) do not. Shapes with rows of
+    16 or more take the product; a short row takes TensorFlow's own test; both agree with
+    NumPy on every case."""
+    import numpy as np
+    import tensorflow as tf
+
+    from gacli.engine import window
+
+    rng = np.random.default_rng(0)
+    for shape in [(784, 512), (512,), (3, 3, 8, 32), (40, 3), (16,)]:
+        assert (window._scaled_product_rows(tf.zeros(shape)) is not None) == (shape[-1] >= 16)
+        base = rng.normal(size=shape).astype("float32")
+        cases = {"normal": base, "largest finite": np.full(shape, 3.4e38, "float32")}
+        for name, value in [("nan", np.nan), ("inf", np.inf), ("-inf", -np.inf)]:
+            bad = base.copy()
+            bad.flat[rng.integers(bad.size)] = value
+            cases[name] = bad
+        both = base.copy()
+        both.flat[0], both.flat[-1] = np.inf, -np.inf
+        cases["inf and -inf"] = both
+        huge_and_nan = cases["largest finite"].copy()
+        huge_and_nan.flat[bad.size // 2] = np.nan
+        cases["largest finite and a nan"] = huge_and_nan
+        for name, array in cases.items():
+            expected = bool(np.isfinite(array).all())
+            eager = bool(window._all_finite(tf.constant(array)))
+            traced = bool(tf.function(window._all_finite)(tf.constant(array)))
+            assert eager == traced == expected, (shape, name)

@@ -34,13 +34,45 @@ _MOST_BY_PRODUCT = 1 << 22
 def _all_finite(gradient):
     """Whether every element of ``gradient`` is finite; a sparse one's rows only (its other
     rows are zeros). Under XLA on a CPU the non-finite elements are counted by
-    :func:`_sum_by_product` (a count below 2**24 is exact in float32)."""
+    :func:`_sum_by_product` (a count below 2**24 is exact in float32); without XLA on a CPU,
+    a float32 gradient is tested by :func:`_finite_by_scaled_product`."""
     if isinstance(gradient, tf.IndexedSlices):
         gradient = gradient.values
     if _by_product(gradient):
         flags = tf.cast(tf.logical_not(tf.math.is_finite(gradient)), "float32")
         return _sum_by_product(flags) == 0.0
+    rows = _scaled_product_rows(gradient)
+    if rows is not None:
+        return _finite_by_scaled_product(gradient, rows)
     return tf.reduce_all(tf.math.is_finite(gradient))
+
+
+def _scaled_product_rows(gradient):
+    """The row length that :func:`_finite_by_scaled_product` lays ``gradient`` out in (its last
+    axis, or all of a vector), or None where it does not apply: under XLA, with a GPU visible,
+    for other dtypes than float32, or rows shorter than 16 (the product's output, one number
+    per row, would be a copy of a sixteenth of the gradient or more)."""
+    if gradient.dtype != tf.float32 or gradient.shape.rank is None or gradient.shape.rank == 0:
+        return None
+    length = gradient.shape[-1]
+    if length is None or length < 16 or in_xla_computation():
+        return None
+    if tf.config.list_logical_devices("GPU"):
+        return None
+    return length
+
+
+def _finite_by_scaled_product(gradient, length):
+    """Whether every element is finite, in one pass and no copy: the gradient, in rows of
+    ``length``, times a column of 2**-64, summed. A nan or an infinity in any element makes
+    that sum nan or infinite (inf times 2**-64 is inf, inf - inf is nan), and finite elements
+    cannot make it overflow: each product is at most 3.4e38 * 2**-64 = 1.8e19. TensorFlow's
+    test of every element (``is_finite``, then ``reduce_all`` of its copy of flags) took 199
+    µs for the 535,818 gradients of an MLP 784-512-256-10, this 135 µs
+    (``benchmarks/xla_sums.py``)."""
+    matrix = tf.reshape(gradient, [-1, length])
+    column = tf.fill([length, 1], tf.constant(2.0**-64, tf.float32))
+    return tf.math.is_finite(tf.reduce_sum(tf.matmul(matrix, column)))
 
 
 def _squared_norm_of_rows(values, indices):

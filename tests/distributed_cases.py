@@ -204,6 +204,24 @@ def noise_scale_case(accum_steps):
     return max(noise_scale_errors(noise_scale_run(1.5, strategy=strategy, accum_steps=accum_steps)))
 
 
+def noise_scale_every_case():
+    """Under 2 replicas, noise_scale_every=3 against every window measured: the largest relative
+    difference of its smoothed |G|^2 and tr(Sigma) from the moving average (decay 0.95) of the
+    every-window run's raw estimates at windows 0, 3, 6, ... (fixed weights: the same windows)."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    _, every_window, _ = noise_scale_run(1.5, epochs=1, strategy=strategy)
+    _, _, summary = noise_scale_run(1.5, epochs=1, strategy=strategy, every=3)
+    averages = np.zeros(2)
+    weight = 0.0
+    for raw in every_window[::3]:
+        averages = 0.95 * averages + 0.05 * raw
+        weight = 0.95 * weight + 0.05
+    expected = averages / weight
+    found = np.array([summary["grad_sq"], summary["trace_cov"]])
+    count_error = abs(summary["windows"] - len(every_window[::3]))
+    return float(np.max(np.abs(found / expected - 1))) + count_error
+
+
 # (replicas, samples, micro-batch per replica, accum_steps) of the 2-replica settings.
 RAGGED = (2, 70, 16, 2)
 FULL = (2, 128, 16, 2)
@@ -232,6 +250,7 @@ def cases():
         found[f"optimizer-2replicas-restored-{optimizer}"] = (restored_case, optimizer)
     for accum_steps in (1, 4):
         found[f"noise-scale-2replicas-k{accum_steps}"] = (noise_scale_case, accum_steps)
+    found["noise-scale-2replicas-every3"] = (noise_scale_every_case,)
     for optimizer in ("momentum", "adam", "adamw"):
         found[f"embedding-model-2replicas-ragged-{optimizer}"] = (
             embedding_case, optimizer, *RAGGED)  # fmt: skip

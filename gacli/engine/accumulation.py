@@ -254,9 +254,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if config.loss_scaling:
             self._loss_scale = LossScale(config.initial_scale, config.dynamic_growth_steps)
         self._guard = NonFiniteGuard(config.nonfinite) if config.nonfinite else None
-        self._noise = None
-        if config.noise_scale:
-            self._noise = NoiseScale(config.noise_scale_decay, config.noise_scale_every)
+        self._noise = NoiseScale.asked_for(config)
         # Whether the end of the current fit() is the end of training (see fit_continues).
         self.fit_ends_training = True
         # AGC's unit axes by variable path, from the model's layers (gacli.agc_unit_axes); None:

@@ -481,6 +481,13 @@ class NoiseScale:
         self.decay = decay
         self.every = every
 
+    @classmethod
+    def asked_for(cls, config):
+        """The noise scale an AccumulationConfig asks for, or None (``noise_scale=False``)."""
+        if not config.noise_scale:
+            return None
+        return cls(config.noise_scale_decay, config.noise_scale_every)
+
     def measures(self, updates):
         """Whether the window after ``updates`` optimizer updates is measured (a boolean
         tensor): the first, then every ``every``-th. A skipped window leaves ``updates`` as it

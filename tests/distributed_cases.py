@@ -28,6 +28,7 @@ from helpers import (  # noqa: E402
     make_data,
     max_weight_difference,
     mlp_layers,
+    moving_average,
     noise_scale_errors,
     noise_scale_run,
     plain_model,
@@ -211,12 +212,7 @@ def noise_scale_every_case():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     _, every_window, _ = noise_scale_run(1.5, epochs=1, strategy=strategy)
     _, _, summary = noise_scale_run(1.5, epochs=1, strategy=strategy, every=3)
-    averages = np.zeros(2)
-    weight = 0.0
-    for raw in every_window[::3]:
-        averages = 0.95 * averages + 0.05 * raw
-        weight = 0.95 * weight + 0.05
-    expected = averages / weight
+    expected = moving_average(every_window[::3])
     found = np.array([summary["grad_sq"], summary["trace_cov"]])
     count_error = abs(summary["windows"] - len(every_window[::3]))
     return float(np.max(np.abs(found / expected - 1))) + count_error

@@ -448,6 +448,16 @@ def noise_scale_run(label_noise, epochs=4, strategy=None, accum_steps=K_GNS, eve
     return noise_scale_direct(model, x, y), np.array(windows), model.optimizer.noise_scale()
 
 
+def moving_average(windows, decay=0.95):
+    """The engine's bias-corrected exponential moving average of per-window rows
+    (|G|^2, tr Sigma), computed in NumPy."""
+    average, weight = np.zeros(np.shape(windows)[1]), 0.0
+    for row in windows:
+        average = decay * average + (1.0 - decay) * np.asarray(row)
+        weight = decay * weight + (1.0 - decay)
+    return average / weight
+
+
 def noise_scale_errors(run):
     """Relative errors of the engine's |G|^2, tr(Sigma) and B_simple, averaged over windows."""
     (grad_sq, trace), windows, _ = run

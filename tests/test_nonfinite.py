@@ -206,7 +206,7 @@ def test_the_finiteness_test_by_a_scaled_product_finds_every_non_finite_element(
         both.flat[0], both.flat[-1] = np.inf, -np.inf
         cases["inf and -inf"] = both
         huge_and_nan = cases["largest finite"].copy()
-        huge_and_nan.flat[bad.size // 2] = np.nan
+        huge_and_nan.flat[huge_and_nan.size // 2] = np.nan
         cases["largest finite and a nan"] = huge_and_nan
         for name, array in cases.items():
             expected = bool(np.isfinite(array).all())

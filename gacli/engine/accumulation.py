@@ -487,10 +487,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             measure()
             return
         tf.cond(
-            self._noise.measures(self.iterations),
-            lambda: measure(),
-            lambda: None,
-            name="measure_noise_scale",
+            self._noise.measures(self.iterations), measure, lambda: None, name="measure_noise_scale"
         )
 
     def _weighs(self, sample_count):

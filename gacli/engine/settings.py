@@ -68,7 +68,8 @@ class AccumulationConfig:
         noise_scale: measure the gradient noise scale from the micro-batches
             (:class:`gacli.engine.window.NoiseScale`): one squared norm per micro-batch.
         noise_scale_every: measure it on every ``n``-th window only (its micro-batches and its
-            whole), by the optimizer's update count: the other windows cost nothing more.
+            whole), by the optimizer's update count: the others' squared norms are not computed
+            (the conditional that skips them still costs a little without XLA).
         noise_scale_decay: the decay of its moving averages, per measured window.
     """
 

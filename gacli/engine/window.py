@@ -55,9 +55,7 @@ def _scaled_product_rows(gradient):
     if gradient.dtype != tf.float32 or gradient.shape.rank is None or gradient.shape.rank == 0:
         return None
     length = gradient.shape[-1]
-    if length is None or length < 16 or in_xla_computation():
-        return None
-    if tf.config.list_logical_devices("GPU"):
+    if length is None or length < 16 or in_xla_computation() or not _on_cpu_only():
         return None
     return length
 
@@ -103,9 +101,14 @@ def squared_norm(gradients, factor):
     return total if factor is None else total * tf.square(tf.cast(factor, "float32"))
 
 
+def _on_cpu_only():
+    """Whether no GPU is visible: the sums by matrix product are for a CPU's kernels only."""
+    return not tf.config.list_logical_devices("GPU")
+
+
 def _compiled_by_xla_on_cpu():
     """Whether the op being traced goes into an XLA computation for a CPU (no GPU visible)."""
-    return in_xla_computation() and not tf.config.list_logical_devices("GPU")
+    return in_xla_computation() and _on_cpu_only()
 
 
 def _by_product(tensor):

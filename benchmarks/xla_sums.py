@@ -12,6 +12,9 @@ element of them. Both are a reduction of each gradient to one number. On the MLP
   finite-by-mm   gacli's form: under XLA the non-finite elements counted by the same product;
                  without XLA each gradient, in rows of its last axis, times a column of 2**-64,
                  summed (finite exactly when every element is)
+  finite-by-sq   gacli's form without XLA (under XLA it is finite-by-mm): the squared norm
+                 (squares), finite only if every element is, with every element tested only
+                 where it is not; with the noise scale on, that squared norm is the one it uses
 
 and prints the median microseconds per call over interleaved rounds, and each form's cost above
 ``nothing``. gacli's own functions give the by-mm forms (``gacli.engine.window``).
@@ -45,6 +48,9 @@ def forms():
         ),
         "finite-by-mm": lambda grads: tf.cast(
             tf.reduce_all([window._all_finite(g) for g in grads]), "float32"
+        ),
+        "finite-by-sq": lambda grads: tf.cast(
+            window.all_finite(grads, window.squared_norm(grads)), "float32"
         ),
     }
 

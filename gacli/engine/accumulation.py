@@ -38,6 +38,7 @@ from gacli.engine.window import (
     NoiseScale,
     NonFiniteGuard,
     Window,
+    finite_by_squared_norm,
     in_xla_computation,
     squared_norm,
     sum_of_squares,
@@ -469,12 +470,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """The squared norm of the micro-batch's ``gradients``, computed once for the two parts
         that read it, or None where neither would: the noise scale, when it measures every
         window (``measured``: it measures this micro-batch's), and the non-finite check without
-        XLA, which tests it instead of every element (:func:`~gacli.engine.window.all_finite`;
-        on the MLP of ``benchmarks/``, 1,041 µs a micro-step against 1,112 with its own test of
-        every element, and the noise scale's pass then costs the check nothing)."""
+        XLA on a CPU, which tests it instead of every element
+        (:func:`~gacli.engine.window.all_finite`: on the MLP of ``benchmarks/``, timed in one
+        process, 1,041 µs a micro-step against 1,112 with its own test of every element, and
+        the noise scale's pass then costs the check nothing)."""
         noise = measured and self._noise.every == 1
         dense = not any(isinstance(g, tf.IndexedSlices) for g in gradients)
-        check = self._guard is not None and dense and not in_xla_computation()
+        check = self._guard is not None and dense and finite_by_squared_norm()
         return squared_norm(gradients) if noise or check else None
 
     def _observe_noise(self, gradients, factor, sample_count, keep, squared=None):

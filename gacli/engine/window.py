@@ -109,8 +109,8 @@ def all_finite(gradients, squared=None):
     another pass: an inf or a nan anywhere makes it inf or nan, so a finite one proves every
     element finite. Only where it is not finite are the elements tested one by one, for it is
     also inf when finite elements' squares overflow float32 (a norm above 1.8e19), and those
-    are kept. Not under XLA, where the conditional would copy the gradients."""
-    if squared is None or in_xla_computation():
+    are kept. Only where :func:`finite_by_squared_norm` says so."""
+    if squared is None or not finite_by_squared_norm():
         return _elements_finite(gradients)
     return tf.cond(
         tf.math.is_finite(squared),
@@ -118,6 +118,13 @@ def all_finite(gradients, squared=None):
         lambda: _elements_finite(gradients),
         name="elements_finite",
     )
+
+
+def finite_by_squared_norm():
+    """Whether :func:`all_finite` reads the squared norm here: without XLA (inside it, the
+    conditional would copy the gradients) on a CPU (a GPU's own reductions are fast, and its
+    conditional waits for the predicate on the host)."""
+    return not in_xla_computation() and _on_cpu_only()
 
 
 def _elements_finite(gradients):

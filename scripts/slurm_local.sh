@@ -12,8 +12,12 @@ NODE=$(hostname -s)             # slurmd finds its NodeName by matching the shor
 log() { echo "slurm_local: $*"; }
 
 # Is the daemon whose pid file is $1 alive? A zombie is not: where pid 1 does not reap orphans
-# (some containers and VMs), a stopped daemon stays in the process table. /proc: no procps needed.
+# (some containers and VMs), a stopped daemon stays in the process table. Nor is another process
+# that got the pid of a daemon killed without removing its pid file (the file /run/slurmd.pid
+# names the daemon slurmd): a stale file once kept slurmd from being started at all.
+# /proc: no procps needed.
 alive() { local p; p=$(cat "$1" 2>/dev/null) && [ -n "$p" ] && [ -r "/proc/$p/stat" ] &&
+    [ "$(cat "/proc/$p/comm" 2>/dev/null)" = "$(basename "$1" .pid)" ] &&
     ! grep -q '^[0-9]* ([^)]*) Z' "/proc/$p/stat"; }
 # The node's state as sinfo prints it (idle, mix, alloc, down*, drain, unk*...), empty if no
 # answer; a '*' suffix means that slurmd does not answer.

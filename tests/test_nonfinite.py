@@ -274,3 +274,50 @@ def test_a_micro_batch_whose_squares_overflow_is_kept_and_a_nan_one_dropped(nois
     # The window is the mean of the two kept micro-batches: (1e20 + 1) / 2 per element.
     for start, after in zip(before, variables):
         np.testing.assert_allclose(start - after.numpy(), np.full(start.shape, 5e19), rtol=1e-6)
+
+
+@pytest.mark.parametrize("noise_scale", [False, True])
+def test_sparse_rows_whose_squares_overflow_are_kept_and_nan_rows_dropped(noise_scale):
+    """An embedding's gradient (tf.IndexedSlices): with the noise scale on, its finiteness is
+    read from the squared norm of its summed rows, shared with the noise scale; without, its
+    values are tested. Either way a micro-batch of finite rows of 1e20 is added, one with a
+    nan row is dropped alone and counted once."""
+    model = keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(10, 4)])
+    optimizer = gacli.GradientAccumulateOptimizer(
+        keras.optimizers.SGD(1.0),
+        accum_steps=3,
+        nonfinite="skip_micro_batch",
+        noise_scale=noise_scale,
+    )
+    (table,) = model.trainable_variables
+    before = table.numpy().copy()
+
+    def rows(values, indices):
+        values = tf.constant(np.asarray(values, "float32"))
+        return tf.IndexedSlices(values, tf.constant(indices), dense_shape=tf.constant([10, 4]))
+
+    step = tf.function(lambda grad: optimizer.apply([grad], [table], sample_count=2))
+    step(rows(np.full((2, 4), 1e20), [1, 1]))  # a repeated row: 2e20 in row 1
+    bad = np.ones((2, 4))
+    bad[1, 2] = np.nan
+    step(rows(bad, [3, 5]))
+    step(rows(np.ones((2, 4)), [3, 5]))
+    assert int(optimizer.skipped_micro_batches.numpy()) == 1
+    assert int(optimizer.optimizer_step.numpy()) == 1
+    expected = np.zeros((10, 4), "float32")
+    expected[1], expected[3], expected[5] = 1e20, 0.5, 0.5  # the mean of the 2 kept ones
+    np.testing.assert_allclose(before - table.numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_micro_batch_without_gradients_passes_the_check():
+    """Gradients that are all None (no variable was used) give the check nothing to test: the
+    micro-step is counted and nothing is skipped."""
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+    optimizer = gacli.GradientAccumulateOptimizer(
+        keras.optimizers.SGD(0.1), accum_steps=2, nonfinite="stop"
+    )
+    variables = model.trainable_variables
+    optimizer.apply([tf.ones_like(v) for v in variables], variables, sample_count=4)
+    tf.function(lambda: optimizer.apply([None] * len(variables), variables, sample_count=4))()
+    assert int(optimizer.skipped_micro_batches.numpy()) == 0
+    assert optimizer.halted_micro_step() is None or optimizer.halted_micro_step() == 0

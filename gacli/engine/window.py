@@ -66,8 +66,8 @@ def _finite_by_scaled_product(gradient, length):
     ``length``, times a column of 2**-64, summed. A nan or an infinity in any element makes
     that sum nan or infinite (inf times 2**-64 is inf, inf - inf is nan), and finite elements
     cannot make it overflow: each product is at most 3.4e38 * 2**-64 = 1.8e19. TensorFlow's
-    test of every element (``is_finite``, then ``reduce_all`` of its copy of flags) took 199
-    µs for the 535,818 gradients of an MLP 784-512-256-10, this 135 µs
+    test of every element (``is_finite``, then ``reduce_all`` of its copy of flags) took 249
+    µs for the 535,818 gradients of an MLP 784-512-256-10, this 152 µs
     (``benchmarks/xla_sums.py``)."""
     matrix = tf.reshape(gradient, [-1, length])
     column = tf.fill([length, 1], tf.constant(2.0**-64, tf.float32))
@@ -432,7 +432,8 @@ class NonFiniteGuard:
     def keep(self, gradients, squared=None):
         """A boolean tensor: the micro-batch's gradients are all finite (and, under ``stop``,
         training has not halted: every micro-batch after the first bad one is left out).
-        ``squared``: their squared norm, if the noise scale computes it (:func:`all_finite`)."""
+        ``squared``: their squared norm, where it is computed for this test or the noise
+        scale (:func:`all_finite`)."""
         finite = all_finite(gradients, squared)
         if self.policy is NonFinite.stop:
             finite = tf.logical_and(finite, _value(self.halted_at) == 0)
@@ -502,13 +503,13 @@ class NoiseScale:
 
     (with equal micro-batches, the paper's two formulas). ``B_simple = tr(Sigma) / |G|^2`` is
     the batch size beyond which larger batches pay off less and less. Each window's raw estimates
-    are kept in ``gns_grad_sq_raw`` / ``gns_trace_raw``; exponential moving averages of both
-    (``decay``, bias-corrected) and their ratio ``noise_scale()`` smooth them, as the paper does.
+    are kept (in the ``gns_state`` vector); exponential moving averages of both (``decay``,
+    bias-corrected) and their ratio ``noise_scale()`` smooth them, as the paper does.
     Micro-batches without a sample count, or a window holding any, give no estimate.
 
     With ``every`` > 1 only every ``every``-th window is measured (:meth:`measures`): the
     averages then move once per measured window, and the squared norms of the others are not
-    computed.
+    computed for it (the non-finite check may compute them for itself, :func:`all_finite`).
     """
 
     def __init__(self, decay, every=1):
@@ -578,10 +579,11 @@ class NoiseScale:
         read of the state (in float32, as the graph would compute them). Read after each
         update by the logger: six reads took 0.2 ms, a fiftieth of a small model's update."""
         state = np.asarray(_value(self.state), dtype=np.float32)
-        weight = np.maximum(state[self._WEIGHT], np.float32(1e-12))
-        grad_sq = state[self._GRAD_SQ] / weight
-        trace = state[self._TRACE] / weight
-        scale = trace / grad_sq if grad_sq != 0 else np.float32(0.0)  # tf.math.divide_no_nan
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # as TensorFlow
+            weight = np.maximum(state[self._WEIGHT], np.float32(1e-12))
+            grad_sq = state[self._GRAD_SQ] / weight
+            trace = state[self._TRACE] / weight
+            scale = trace / grad_sq if grad_sq != 0 else np.float32(0.0)  # divide_no_nan
         raw = state[self._GRAD_SQ_RAW], state[self._TRACE_RAW]
         return [float(v) for v in (grad_sq, trace, scale, *raw)] + [int(state[self._WINDOWS])]
 

@@ -187,12 +187,12 @@ class StrategyConfig:
 class MonitorConfig:
     # The gradient noise scale from the micro-batches: TensorBoard's gns/ tags and a line in the
     # run's summary that compares it with the effective batch. Off by default: under XLA it cost
-    # the MLP benchmark a tenth of its speed (without XLA nothing: the non-finite check computes
-    # the same squared norm; docs/guides/batch-size.md).
+    # the MLP benchmark a tenth of its speed (without XLA on a CPU nothing: the non-finite check
+    # computes the same squared norm; docs/guides/batch-size.md).
     gns: bool = False
     # Measure it on every n-th window only (its micro-batches and its whole), by the update
-    # count: the squared norms of the others are not computed. The smoothing moves once per
-    # measured window.
+    # count: the squared norms of the others are not computed for it (without XLA on a CPU the
+    # non-finite check computes them for itself). The smoothing moves once per measured window.
     gns_every: int = 1
 
 

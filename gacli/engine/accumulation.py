@@ -42,6 +42,7 @@ from gacli.engine.window import (
     in_xla_computation,
     squared_norm,
     sum_of_squares,
+    times_squared,
 )
 
 __all__ = [
@@ -489,9 +490,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
         def observe():
             to_mean = 1.0 / tf.cast(sample_count, "float32")
-            norm = squared_norm(gradients) if squared is None else squared
-            if factor is not None:
-                norm = norm * tf.square(tf.cast(factor, "float32"))
+            norm = times_squared(squared_norm(gradients) if squared is None else squared, factor)
             self._noise.observe(norm * tf.square(to_mean), sample_count, keep)
 
         self._if_noise_measured(observe)

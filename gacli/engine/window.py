@@ -98,8 +98,13 @@ def squared_norm(gradients, factor=None):
     # l2_loss is half the squared norm, in one pass with no squared copy of the gradient.
     squares = [_squared_norm_of_rows(g.values, g.indices) for g in sparse]
     squares.extend(sum_of_squares(g) for g in dense)
-    total = tf.add_n(squares)
-    return total if factor is None else total * tf.square(tf.cast(factor, "float32"))
+    return times_squared(tf.add_n(squares), factor)
+
+
+def times_squared(squared, factor):
+    """A squared norm of gradients times ``factor`` squared: that of the gradients times
+    ``factor`` (None: 1)."""
+    return squared if factor is None else squared * tf.square(tf.cast(factor, "float32"))
 
 
 def all_finite(gradients, squared=None):
@@ -568,9 +573,9 @@ class NoiseScale:
         )
         decay = self.decay
         state = _value(self.state)
-        values = tf.stack([grad_sq, trace, 1.0, 0.0])  # the averages' new terms (and a pad)
-        moved = decay * state[self._GRAD_SQ :] + (1.0 - decay) * values
-        new = tf.concat([tf.stack([grad_sq, trace]), moved[:3], state[self._WINDOWS :] + 1.0], 0)
+        averages = state[self._GRAD_SQ : self._WINDOWS]  # |G|^2, tr(Sigma), their weight
+        moved = decay * averages + (1.0 - decay) * tf.stack([grad_sq, trace, 1.0])
+        new = tf.concat([tf.stack([grad_sq, trace]), moved, state[self._WINDOWS :] + 1.0], 0)
         self.state.assign(tf.where(valid, new, state))
 
     def reading(self):

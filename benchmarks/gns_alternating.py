@@ -1,15 +1,21 @@
-"""The noise scale's cost on the MLP, measured in one process by alternation.
+"""The noise scale's cost, measured in one process by alternation.
 
 On a machine that other jobs share, a process's speed moves by a factor of 2 within minutes, so
 the ratio of two fresh processes (``bench.py``'s ``gacli_model_gns`` against ``gacli_model``) needs
 many repetitions to mean anything. Here both models (the model wrapper without and with
-``noise_scale=True``, MLP 784-512-256-10, b=32, k=8, SGD, a window per compiled call) are built
-and compiled once in the same process, then trained in turns of a few windows each, the order
-swapped every round: a busy second hits both alike. Each round gives one paired ratio (samples/s
-with the noise scale over without); the median and range over the rounds are printed and written
-to results/gns_alternating.md.
+``noise_scale=True``, on ``bench.py``'s MLP, b=32, k=8, or with ``--model unet`` its UNet, b=8,
+k=8; SGD, its data, a window per compiled call) are built and compiled once in the same
+process, then trained in turns of a few windows each, the order swapped every round: a busy
+second hits both alike. Each round gives one paired ratio (samples/s with the noise scale over
+without); the median and range over the rounds are printed and written to
+results/gns_alternating.md. Beside them, the ratio of each model's fastest turn: another job can
+only slow a turn down, so the fastest is the least disturbed.
 
-    python benchmarks/gns_alternating.py [--rounds 30] [--windows 5]
+``--nonfinite stop`` runs both models with the non-finite check that ``ga-train`` runs by
+default (``nonfinite=stop``): the cost of ``monitor.gns`` where ``ga-train`` pays it.
+
+    python benchmarks/gns_alternating.py [--model mlp|unet] [--rounds 30] [--windows 5]
+        [--nonfinite stop] [--out results/NAME.md]
 """
 
 import argparse
@@ -21,75 +27,96 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def build(jit, noise_scale, data):
+def build(spec, jit, noise_scale, data, nonfinite=None):
     import keras
 
     import gacli
+    from gacli.runner.config import ModelConfig
+    from gacli.runner.models import build_model
+    from gacli.runner.train import loss_and_metrics
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((784,)),
-            keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(10),
-        ]
+    model = build_model(
+        ModelConfig(**spec["model"]), tuple(spec["input_shape"]), spec["num_outputs"], spec["task"]
     )
-    model = gacli.wrap_model(model, accum_steps=8, noise_scale=noise_scale)
+    loss, metrics = loss_and_metrics(spec["task"], spec["num_outputs"])
+    k = spec["accum_steps"]
+    model = gacli.wrap_model(model, accum_steps=k, noise_scale=noise_scale, nonfinite=nonfinite)
     model.compile(
         optimizer=keras.optimizers.SGD(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=loss,
+        metrics=metrics,
         jit_compile=jit,
-        steps_per_execution=8,
+        steps_per_execution=k,
     )
-    model.fit(data, steps_per_epoch=32, epochs=1, verbose=0)  # trace, compile, warm up
+    model.fit(data, steps_per_epoch=2 * k, epochs=1, verbose=0)  # trace, compile, warm up
     return model
 
 
-def paired_ratios(jit, rounds, windows):
-    """One ratio per round: samples/s with the noise scale over without."""
-    import numpy as np
+def timed_turns(spec, jit, rounds, windows, nonfinite=None):
+    """{noise_scale: [seconds of each round's turn]}, the two models' turns interleaved."""
     import tensorflow as tf
+    from bench import synthetic_arrays
 
-    rng = np.random.default_rng(0)
-    x = rng.random((2560, 784), dtype=np.float32)
-    y = rng.integers(0, 10, 2560)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
-    models = {False: build(jit, False, data), True: build(jit, True, data)}
-    ratios = []
+    x, y = synthetic_arrays(spec)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(spec["micro_batch_size"]).repeat()
+    models = {flag: build(spec, jit, flag, data, nonfinite) for flag in (False, True)}
+    steps = spec["accum_steps"] * windows
+    seconds = {False: [], True: []}
     for round_index in range(rounds):
-        seconds = {}
         for noise_scale in (True, False) if round_index % 2 else (False, True):
             start = time.perf_counter()
-            models[noise_scale].fit(data, steps_per_epoch=8 * windows, epochs=1, verbose=0)
-            seconds[noise_scale] = time.perf_counter() - start
-        ratios.append(seconds[False] / seconds[True])
-    return ratios
+            models[noise_scale].fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
+            seconds[noise_scale].append(time.perf_counter() - start)
+    return seconds
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["mlp", "unet"], default="mlp")
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--windows", type=int, default=5, help="windows of 256 per turn")
+    parser.add_argument("--windows", type=int, default=5, help="windows per turn")
+    parser.add_argument(
+        "--nonfinite",
+        choices=["stop", "skip_micro_batch", "skip_window"],
+        help="both models with this non-finite check (ga-train's default: stop)",
+    )
     parser.add_argument("--out", default=str(HERE / "results" / "gns_alternating.md"))
     args = parser.parse_args()
     import keras
     import tensorflow as tf
+    from bench import MODELS
 
+    spec = dict(MODELS[args.model], seed=0)
+    # The same thread pools as bench.py's workers.
+    tf.config.threading.set_intra_op_parallelism_threads(2)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    check = f"nonfinite={args.nonfinite}" if args.nonfinite else "no non-finite check"
     lines = [
-        "# The noise scale's cost on the MLP, by alternation in one process",
+        f"# The noise scale's cost on the {spec['title']}, by alternation in one process",
         "",
         f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}; TensorFlow "
         f"{tf.__version__}, Keras {keras.__version__}; {args.rounds} rounds of "
-        f"{args.windows} windows of 256 per model; samples/s with noise_scale=True over without.",
+        f"{args.windows} windows of {spec['micro_batch_size'] * spec['accum_steps']} per model "
+        f"(b={spec['micro_batch_size']}, k={spec['accum_steps']}), {check}; samples/s with "
+        "noise_scale=True over without: the median of the rounds' paired ratios with their "
+        "range, and the ratio of each model's fastest turn.",
         "",
-        "| jit | median | min-max |",
-        "|---|---:|---:|",
+        "| jit | median of rounds | min-max | fastest turns "
+        "| µs a micro-batch, fastest (without, with) |",
+        "|---|---:|---:|---:|---:|",
     ]
+    micro_batches = spec["accum_steps"] * args.windows
     for jit in (False, True):
-        ratios = paired_ratios(jit, args.rounds, args.windows)
-        row = f"| {'on' if jit else 'off'} | {statistics.median(ratios):.3f}x | "
-        row += f"{min(ratios):.2f}-{max(ratios):.2f} |"
+        seconds = timed_turns(spec, jit, args.rounds, args.windows, args.nonfinite)
+        ratios = [a / b for a, b in zip(seconds[False], seconds[True])]
+        fastest = {flag: min(values) for flag, values in seconds.items()}
+        row = (
+            f"| {'on' if jit else 'off'} | {statistics.median(ratios):.3f}x | "
+            f"{min(ratios):.2f}-{max(ratios):.2f} | {fastest[False] / fastest[True]:.3f}x | "
+            f"{fastest[False] / micro_batches * 1e6:,.0f}, "
+            f"{fastest[True] / micro_batches * 1e6:,.0f} |"
+        )
         print(row)
         lines.append(row)
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -12,10 +12,11 @@ results/gns_alternating.md. Beside them, the ratio of each model's fastest turn:
 only slow a turn down, so the fastest is the least disturbed.
 
 ``--nonfinite stop`` runs both models with the non-finite check that ``ga-train`` runs by
-default (``nonfinite=stop``): the cost of ``monitor.gns`` where ``ga-train`` pays it.
+default (``nonfinite=stop``): the cost of ``monitor.gns`` in the compiled step as ``ga-train``
+runs it (``bench.py``'s ``ga_train_gns`` times ``ga-train``'s whole process).
 
     python benchmarks/gns_alternating.py [--model mlp|unet] [--rounds 30] [--windows 5]
-        [--nonfinite stop] [--out results/NAME.md]
+        [--nonfinite stop] [--out benchmarks/results/NAME.md]
 """
 
 import argparse
@@ -88,7 +89,7 @@ def main():
     from bench import MODELS
 
     spec = dict(MODELS[args.model], seed=0)
-    # The same thread pools as bench.py's workers.
+    # The same TensorFlow thread pools as bench.py's workers.
     tf.config.threading.set_intra_op_parallelism_threads(2)
     tf.config.threading.set_inter_op_parallelism_threads(2)
     check = f"nonfinite={args.nonfinite}" if args.nonfinite else "no non-finite check"

@@ -6,6 +6,7 @@ configuration's samples/s divided by A's in the same repetition, then the median
 
     python benchmarks/bench.py                       # the full run (5 repetitions)
     python benchmarks/bench.py --quick --reps 1      # a smoke test of tiny models
+    python benchmarks/bench.py --turns 10            # configurations take turns (turns.py)
 
 Configurations, all on the same model, data pipeline, loss, metrics and SGD optimizer:
     A  plain fit, batch b              B  plain fit, batch k*b
@@ -17,6 +18,7 @@ Configurations, all on the same model, data pipeline, loss, metrics and SGD opti
                      (dataset=npz); it runs a window per call by default (steps_per_execution=k)
 and two references outside the targets, to show where the time goes:
     A_spe            A with steps_per_execution=k: plain Keras with the same calls
+    A_again          A in a second process: its paired ratio to A is the method's own spread
     gacli_model_1    gacli_model with one micro-batch a call (Keras' default)
     gacli_model_gns  gacli_model measuring the gradient noise scale as ga-train's monitor.gns
                      does (noise_scale=True, noise_scale_every=monitor.gns_every's default): its
@@ -45,6 +47,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from turns import READY, TURN_DONE, Baton, run_in_turns, worker_command  # noqa: E402
 
 CONFIGS = {
     "A": "A: fit, batch b",
@@ -54,6 +58,7 @@ CONFIGS = {
     "gacli_optimizer": "gacli GradientAccumulateOptimizer",
     "ga_train": "ga-train (CLI)",
     "A_spe": "A, steps_per_execution=k",
+    "A_again": "A again, in another process",
     "gacli_model_1": "gacli wrap_model, steps_per_execution=1",
     "gacli_model_gns": "gacli wrap_model, noise_scale=True",
     "ga_train_gns": "ga-train, monitor.gns=true",
@@ -159,12 +164,15 @@ class WindowTimer:
     step's computation, so the clocks are read after the work they time.
     """
 
-    def __init__(self, start_batch, end_batch, read_updates):
+    def __init__(self, start_batch, end_batch, read_updates, baton=None):
         self.start_batch, self.end_batch = start_batch, end_batch
         self.read_updates = read_updates
         self.marks = {}
         self.rss_peaks = {}
         self.train_begin = None
+        self.baton = baton  # --turns: the window is trained in turns (benchmarks/turns.py)
+        self.paused = [0.0, 0.0]  # wall and CPU seconds waiting for turns inside the window
+        self.turns = 0
 
     def begin(self):
         self.train_begin = time.perf_counter()
@@ -176,14 +184,30 @@ class WindowTimer:
                 self.marks[name] = (time.perf_counter(), time.process_time(), updates)
                 # The warm-up's peak (trace, compile, first updates), then the timed window's own.
                 self.rss_peaks[name] = rss_high_water_mark(reset=name == "start")
+        if self.baton is not None:
+            self._take_turns(batch)
+
+    def _take_turns(self, batch):
+        """Hand the machine over at the window's start and every turn; say when it ends."""
+        since = batch - self.start_batch
+        if batch == self.end_batch:
+            self.baton.window_done()
+        elif since == 0 or (0 < since and since % self.baton.turn_steps == 0):
+            self.read_updates()  # the step's computation is over before the clocks stop
+            wall, cpu = time.perf_counter(), time.process_time()
+            self.baton.wait_for_turn(READY if since == 0 else TURN_DONE)
+            self.paused[0] += time.perf_counter() - wall
+            self.paused[1] += time.process_time() - cpu
+            self.turns += 1
 
     def figures(self):
         if set(self.marks) != {"start", "end"}:
             raise RuntimeError(f"the timed window was not reached (marks: {sorted(self.marks)})")
         (wall0, cpu0, updates0), (wall1, cpu1, updates1) = self.marks["start"], self.marks["end"]
         return {
-            "wall_s": wall1 - wall0,
-            "cpu_s": cpu1 - cpu0,
+            "wall_s": wall1 - wall0 - self.paused[0],
+            "cpu_s": cpu1 - cpu0 - self.paused[1],
+            "turns": self.turns,
             "updates_in_window": updates1 - updates0,
             "updates_total": updates1,
             "warmup_s": wall0 - self.train_begin,  # trace, XLA compile and warm-up steps
@@ -216,6 +240,7 @@ def build_library_config(spec):
     from gacli.runner.train import loss_and_metrics
 
     name, k = spec["config"], spec["accum_steps"]
+    name = "A" if name == "A_again" else name
     batch_size = spec["micro_batch_size"] * (k if name == "B" else 1)
     x, y = synthetic_arrays(spec)
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).repeat()
@@ -268,7 +293,12 @@ def run_library_config(spec, timer_window, build=None):
         timer_window["warmup_samples"] // batch_size,
         timer_window["measure_samples"] // batch_size,
     )
-    timer = WindowTimer(warmup_steps - 1, warmup_steps + measure_steps - 1, read_updates)
+    timer = WindowTimer(
+        warmup_steps - 1,
+        warmup_steps + measure_steps - 1,
+        read_updates,
+        Baton.from_spec(spec, batch_size),
+    )
     rss_before_fit = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model.fit(
         data,
@@ -315,6 +345,7 @@ def run_ga_train(spec, timer_window, job_dir):
                 warmup_steps - 1,
                 warmup_steps + measure_steps - 1,
                 lambda: accumulator.optimizer_step.numpy(),
+                Baton.from_spec(spec, micro),
             )
             found["timer"] = self.timer
 
@@ -441,24 +472,39 @@ def failure_reason(stderr):
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-def run_job(spec, work_dir, threads, timeout_s, script=None):
-    """Run ``script`` (default: this one) with ``--worker spec`` in a fresh process."""
+def _job_paths(spec, work_dir):
+    """(spec with its job directory and result path, the record its result is filed under)."""
     name = f"{spec['rep']}_{spec['model_key']}_jit{int(spec['jit'])}_{spec['config']}"
     job_dir = Path(work_dir) / name
     job_dir.mkdir(parents=True)
     spec = dict(spec, job_dir=str(job_dir), result_path=str(job_dir / "result.json"))
-    command = [
-        sys.executable,
-        str(script or Path(__file__).resolve()),
-        "--worker",
-        json.dumps(spec),
-    ]
     record = {key: spec[key] for key in ("rep", "model_key", "jit", "config")}
+    return spec, record
+
+
+def _job_result(spec, record, returncode, stderr, process_s):
+    record = dict(record, process_s=process_s)
+    if returncode != 0 or not os.path.exists(spec["result_path"]):
+        return dict(
+            record,
+            status="failed",
+            error=failure_reason(stderr),
+            returncode=returncode,
+            stderr_tail=stderr.splitlines()[-20:],
+        )
+    with open(spec["result_path"]) as handle:
+        return dict(record, status="ok", **json.load(handle))
+
+
+def run_job(spec, work_dir, threads, timeout_s, script=None):
+    """Run ``script`` (default: this one) with ``--worker spec`` in a fresh process."""
+    spec, record = _job_paths(spec, work_dir)
+    command = worker_command(script or Path(__file__).resolve()) + [json.dumps(spec)]
     started = time.perf_counter()
     try:
         done = subprocess.run(
             command,
-            cwd=job_dir,
+            cwd=spec["job_dir"],
             env=worker_env(threads),
             capture_output=True,
             text=True,
@@ -471,17 +517,33 @@ def run_job(spec, work_dir, threads, timeout_s, script=None):
             error=f"timed out after {timeout_s} s",
             process_s=time.perf_counter() - started,
         )
-    record["process_s"] = time.perf_counter() - started
-    if done.returncode != 0 or not os.path.exists(spec["result_path"]):
-        return dict(
-            record,
-            status="failed",
-            error=failure_reason(done.stderr),
-            returncode=done.returncode,
-            stderr_tail=done.stderr.splitlines()[-20:],
+    return _job_result(spec, record, done.returncode, done.stderr, time.perf_counter() - started)
+
+
+def run_jobs_in_turns(specs, work_dir, threads, timeout_s, turn_updates, seed, script=None):
+    """The jobs of one repetition side by side, taking turns of ``turn_updates`` updates
+    (benchmarks/turns.py), each ``script`` (default: this one) ``--worker spec``; their results,
+    as :func:`run_job`'s."""
+    prepared = [
+        _job_paths(dict(spec, baton={"turn_updates": turn_updates}), work_dir) for spec in specs
+    ]
+    try:
+        outcomes = run_in_turns(
+            [worker_command(script or Path(__file__).resolve())] * len(prepared),
+            [spec for spec, _ in prepared],
+            [spec["job_dir"] for spec, _ in prepared],
+            worker_env(threads),
+            timeout_s,
+            seed,
         )
-    with open(spec["result_path"]) as handle:
-        return dict(record, status="ok", **json.load(handle))
+    except TimeoutError:
+        error = f"the workers taking turns ran past {timeout_s} s"
+        return [dict(record, status="failed", error=error) for _, record in prepared]
+    results = []
+    for (spec, record), (returncode, process_s) in zip(prepared, outcomes):
+        log = Path(spec["job_dir"]) / "worker.log"
+        results.append(_job_result(spec, record, returncode, log.read_text(), process_s))
+    return results
 
 
 def ga_train_command():
@@ -672,6 +734,21 @@ def _ratio(ratios):
     return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
+def _method(meta):
+    """How the processes of a repetition were run, for the report's first paragraph."""
+    if meta.get("turns"):
+        return (
+            "Each configuration ran in its own process. The processes of a repetition ran side by "
+            "side and took turns: each trained its warm-up, then only one trained at a time, "
+            f"{meta['turns']} optimizer updates a turn, in a seeded random order each round, and "
+            "a configuration's time is the sum of its own turns (benchmarks/turns.py)."
+        )
+    return (
+        "Each configuration ran in its own process, the configurations of a repetition in a "
+        "seeded random order."
+    )
+
+
 def markdown_report(meta, summary, targets, startup, models, jits, configs):
     lines = [
         f"# gacli benchmark: {meta['name']}",
@@ -680,8 +757,7 @@ def markdown_report(meta, summary, targets, startup, models, jits, configs):
         f"TensorFlow {meta['tensorflow']}, Keras {meta['keras']}, gacli {meta['gacli']}; "
         f"{meta['reps']} repetitions{' (quick sizes)' if meta['quick'] else ''}.",
         "",
-        "Each configuration ran in its own process, the configurations of a repetition in a seeded "
-        "random order. Cells are medians over repetitions; `x A` is the paired ratio (this "
+        _method(meta) + " Cells are medians over repetitions; `x A` is the paired ratio (this "
         "configuration / A in the same repetition), median (min-max). Samples/s and CPU ms/sample "
         "cover the same number of samples after a warm-up (trace, compile, first updates); peak "
         "RSS is the whole process's, and the timed-window peak RSS the high-water mark after the "
@@ -821,6 +897,14 @@ def parse_args(argv=None):
         help="TF intra- and inter-op threads, the same for every configuration",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
+    parser.add_argument(
+        "--turns",
+        type=int,
+        metavar="UPDATES",
+        help="run a repetition's configurations side by side, taking turns of UPDATES optimizer "
+        "updates (benchmarks/turns.py): on a machine whose speed drifts, paired ratios then "
+        "compare the same minutes",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--render",
@@ -865,6 +949,7 @@ def run_all(args):
         python=platform.python_version(),
         machine=platform.machine(),
         argv=sys.argv[1:],
+        turns=args.turns,
         models=models,
     )
     jobs = [
@@ -879,28 +964,7 @@ def run_all(args):
         for rep in range(1, args.reps + 1):
             order = jobs + [{"startup": kind} for kind in STARTUP_COMMANDS]
             random.Random(args.seed * 1000 + rep).shuffle(order)
-            for index, job in enumerate(order, 1):
-                prefix = f"[rep {rep}/{args.reps}, {index}/{len(order)}]"
-                if "startup" in job:
-                    result = time_startup(job["startup"], rep, work_dir, args.threads)
-                    startup.append(result)
-                    print(
-                        f"{prefix} ga-train {' '.join(STARTUP_COMMANDS[job['startup']])}: "
-                        f"{result['wall_s']:.2f} s, exit {result['returncode']}",
-                        flush=True,
-                    )
-                    continue
-                result = run_job(dict(job, rep=rep), work_dir, args.threads, args.timeout)
-                runs.append(result)
-                what = f"{job['model_key']} jit={'on' if job['jit'] else 'off'} {job['config']}"
-                if result["status"] == "ok":
-                    print(
-                        f"{prefix} {what}: {result['samples_per_s']:,.1f} samples/s, "
-                        f"process {result['process_s']:.0f} s",
-                        flush=True,
-                    )
-                else:
-                    print(f"{prefix} {what}: failed: {result['error']}", flush=True)
+            run_repetition(args, rep, order, work_dir, runs, startup)
             if rep == 1 and args.reps > 1:
                 per_rep = time.perf_counter() - started
                 print(
@@ -910,6 +974,49 @@ def run_all(args):
                 )
     meta["total_s"] = time.perf_counter() - started
     return meta, runs, startup
+
+
+def run_repetition(args, rep, order, work_dir, runs, startup):
+    """One repetition's jobs in ``order``: one after another, or (``--turns``) each (model, jit)
+    group's configurations side by side, taking turns. Appends to ``runs`` and ``startup``."""
+    groups = {}
+    for job in order:
+        if "startup" in job:
+            groups[("startup", job["startup"])] = job
+        elif args.turns:
+            groups.setdefault((job["model_key"], job["jit"]), []).append(job)
+        else:
+            groups[(job["model_key"], job["jit"], job["config"])] = [job]
+    for index, (key, group) in enumerate(groups.items(), 1):
+        prefix = f"[rep {rep}/{args.reps}, {index}/{len(groups)}]"
+        if key[0] == "startup":
+            result = time_startup(group["startup"], rep, work_dir, args.threads)
+            startup.append(result)
+            print(
+                f"{prefix} ga-train {' '.join(STARTUP_COMMANDS[group['startup']])}: "
+                f"{result['wall_s']:.2f} s, exit {result['returncode']}",
+                flush=True,
+            )
+            continue
+        group = [dict(job, rep=rep) for job in group]
+        if args.turns:
+            seed = args.seed * 1000 + rep
+            results = run_jobs_in_turns(
+                group, work_dir, args.threads, args.timeout, args.turns, seed
+            )
+        else:
+            results = [run_job(group[0], work_dir, args.threads, args.timeout)]
+        for job, result in zip(group, results):
+            runs.append(result)
+            what = f"{job['model_key']} jit={'on' if job['jit'] else 'off'} {job['config']}"
+            if result["status"] == "ok":
+                print(
+                    f"{prefix} {what}: {result['samples_per_s']:,.1f} samples/s, "
+                    f"process {result['process_s']:.0f} s",
+                    flush=True,
+                )
+            else:
+                print(f"{prefix} {what}: failed: {result['error']}", flush=True)
 
 
 def write_reports(meta, runs, startup, results_dir):

@@ -72,6 +72,31 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path):
 
 
 @pytest.mark.slow
+def test_configurations_taking_turns_time_the_same_window(tmp_path):
+    """--turns: the configurations of a repetition train side by side, one at a time; each is
+    timed over its own turns, which cover its whole timed window."""
+    configs = ["A", "A_again", "ga_train"]
+    command = [sys.executable, str(BENCH), "--quick", "--reps", "1", "--models", "mlp"]
+    command += ["--jit", "off", "--turns", "2", "--configs", *configs]
+    command += ["--results-dir", str(tmp_path), "--out", "turns"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    raw = json.loads((tmp_path / "turns.json").read_text())
+    assert raw["meta"]["turns"] == 2
+    spec = raw["meta"]["models"]["mlp"]
+    runs = {run["config"]: run for run in raw["runs"]}
+    assert sorted(runs) == sorted(configs)
+    for run in runs.values():
+        assert run["status"] == "ok", run.get("error")
+        assert run["samples"] == runs["A"]["samples"] and run["wall_s"] > 0
+        # A turn at the window's start, then one every 2 updates but the window's last.
+        assert run["turns"] == spec["measure_updates"] // 2
+    assert runs["A_again"]["updates_in_window"] == runs["A"]["updates_in_window"]
+    assert "took turns" in (tmp_path / "turns.md").read_text()
+
+
+@pytest.mark.slow
 def test_rss_phases_prints_every_phase_of_every_configuration(tmp_path):
     script = BENCH.parent / "rss_phases.py"
     command = [

@@ -40,6 +40,7 @@ from gacli.engine.window import (
     Window,
     finite_by_squared_norm,
     in_xla_computation,
+    read_now,
     squared_norm,
     sum_of_squares,
     times_squared,
@@ -796,7 +797,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         1) of the first micro-batch whose gradient was not finite."""
         if self.nonfinite is not NonFinite.stop or not self.built:
             return 0
-        return int(self._guard.halted_at.numpy())
+        return int(read_now(self._guard.halted_at))
 
     # -- serialisation ----------------------------------------------------------------------------
     def get_config(self):

@@ -199,6 +199,22 @@ def _value(variable):
     return tf.convert_to_tensor(variable)
 
 
+def read_now(variable):
+    """A variable's value as NumPy, read eagerly between compiled calls (callbacks' counters).
+
+    ``variable.numpy()`` runs two eager ops, a read and a copy (``identity``). Right after a
+    compiled call, while TensorFlow's worker threads still hold the cores, each op is slow: on a
+    2-core CPU under XLA the first read took 0.28 ms and a second 0.12 ms, against 0.085 and
+    0.032 ms for the one ``ReadVariableOp`` used here, and the callbacks read several counters an
+    update. A distributed variable (a mirrored or per-replica one) is read as before.
+    """
+    # A keras.Variable's own tf.Variable is its ``value``.
+    value = variable if isinstance(variable, tf.Variable) else getattr(variable, "value", None)
+    if isinstance(value, tf.distribute.DistributedValues) or not hasattr(value, "handle"):
+        return variable.numpy()
+    return tf.raw_ops.ReadVariableOp(resource=value.handle, dtype=value.dtype).numpy()
+
+
 def in_xla_computation():
     """Whether the graph being traced is (part of) an XLA computation, ``tf.function(...,
     jit_compile=True)``'s: there a tensor's shape must be known before it runs. (TensorFlow has

@@ -16,11 +16,13 @@ import os
 import time
 
 import keras
+import tensorflow as tf
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from gacli.engine.window import read_now
 from gacli.runner.console import micro_batches_done
 from gacli.runner.memory_stats import device_memory_bytes, host_memory_bytes
 from gacli.runner.throughput import samples_per_second
@@ -45,7 +47,9 @@ def _scalar_value(tag, value):
 
 
 def _number(value):
-    if hasattr(value, "numpy"):
+    if isinstance(value, (tf.Variable, keras.Variable)):
+        value = read_now(value)  # the learning rate's variable
+    elif hasattr(value, "numpy"):
         value = value.numpy()
     try:
         return float(value)
@@ -89,6 +93,7 @@ class TensorBoardLogger(keras.callbacks.Callback):
         self._micro_batches_since = 0
         self._epoch_done = 0
         self.oom_recoveries = 0
+        self._plan_key, self._plan_scalars = None, []
 
     def replan(self, plan, recoveries):
         """The batch arithmetic after an out-of-memory recovery (``oom=recover``)."""
@@ -108,8 +113,8 @@ class TensorBoardLogger(keras.callbacks.Callback):
     def _open_window(self):
         """(micro-batches of the run, micro-batches of them in the open window)."""
         return (
-            int(self.accumulator.micro_step.numpy()),
-            int(self.accumulator.window_micro_steps.numpy()),
+            int(read_now(self.accumulator.micro_step)),
+            int(read_now(self.accumulator.window_micro_steps)),
         )
 
     def on_train_begin(self, logs=None):
@@ -121,7 +126,7 @@ class TensorBoardLogger(keras.callbacks.Callback):
                     wall_time=time.time(), summary=hparams_summary.hparams_pb(self.hparams)
                 )
             )
-        self._last_step = int(self.accumulator.optimizer_step.numpy())
+        self._last_step = int(read_now(self.accumulator.optimizer_step))
         # A run resumed in the middle of a window has that window's micro-batches behind it.
         # (A plain model's fit() builds the optimizer in its first step: no window yet.)
         if self.accumulator.built:
@@ -138,9 +143,24 @@ class TensorBoardLogger(keras.callbacks.Callback):
         self._epoch_done = done
         if self._micro_batches_since < self.plan.accum_steps:
             return  # no window can have closed since the last update
-        step = int(self.accumulator.optimizer_step.numpy())
+        step = int(read_now(self.accumulator.optimizer_step))
         if step != self._last_step:
             self._write_train(step, logs or {})
+
+    def _plan_values(self):
+        """The batch configuration's scalars, made again only when the plan changes (a proto
+        costs 8 us, and they are logged every update)."""
+        key = (self.plan, self.oom_recoveries)
+        if self._plan_key != key:
+            self._plan_key = key
+            self._plan_scalars = [
+                _scalar_value("batch/effective_size", self.plan.effective_batch_size),
+                _scalar_value("batch/micro_size", self.plan.micro_batch_size),
+                _scalar_value("batch/accum_steps", self.plan.accum_steps),
+                _scalar_value("batch/replicas", self.plan.replicas),
+                _scalar_value("batch/oom_recoveries", self.oom_recoveries),
+            ]
+        return self._plan_scalars
 
     def _update_samples(self, window_end):
         """Samples in the window of the last update, which closed ``window_end`` micro-batches
@@ -159,12 +179,8 @@ class TensorBoardLogger(keras.callbacks.Callback):
         micro_step, in_window = self._open_window()
         window_end = micro_step - in_window
         values = [
-            _scalar_value("batch/effective_size", self.plan.effective_batch_size),
+            *self._plan_values(),
             _scalar_value("batch/update_samples", self._update_samples(window_end)),
-            _scalar_value("batch/micro_size", self.plan.micro_batch_size),
-            _scalar_value("batch/accum_steps", self.plan.accum_steps),
-            _scalar_value("batch/replicas", self.plan.replicas),
-            _scalar_value("batch/oom_recoveries", self.oom_recoveries),
         ]
         for name, value in logs.items():
             number = _number(value)
@@ -212,7 +228,7 @@ class TensorBoardLogger(keras.callbacks.Callback):
         self._micro_batches_since = in_window
 
     def on_epoch_end(self, epoch, logs=None):
-        step = int(self.accumulator.optimizer_step.numpy())
+        step = int(read_now(self.accumulator.optimizer_step))
         if step != self._last_step:
             # The epoch's short window was applied at its end: its update gets its point too.
             self._write_train(
@@ -220,7 +236,7 @@ class TensorBoardLogger(keras.callbacks.Callback):
             )
         if self.accumulator.epoch_end_action() is not None:
             # The window was applied or dropped: the next one starts with the next epoch.
-            self._window_start = int(self.accumulator.micro_step.numpy())
+            self._window_start = int(read_now(self.accumulator.micro_step))
             self._micro_batches_since = 0
         values = [
             _scalar_value(f"val/{name[4:]}", number)

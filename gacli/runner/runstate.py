@@ -25,6 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from gacli.engine.window import read_now
 from gacli.errors import ConfigError, Interrupted
 from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, looks_intact, read_json, write_json
 
@@ -335,7 +336,7 @@ class RunCheckpoint(keras.callbacks.Callback):
         if self.save and self.every_updates:
             # A call of steps_per_execution micro-batches may apply several updates: a save is
             # due when a multiple of every_updates was passed since the last one.
-            due = int(self.accumulator.optimizer_step.numpy()) // self.every_updates
+            due = int(read_now(self.accumulator.optimizer_step)) // self.every_updates
             if due > self._saves_due:
                 self._saves_due = due
                 self.state.save(self.epoch, self.done)

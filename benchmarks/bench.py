@@ -537,8 +537,14 @@ def run_jobs_in_turns(specs, work_dir, threads, timeout_s, turn_updates, seed, s
             seed,
         )
     except TimeoutError:
+        # Those that had written their figures keep them; the others failed.
         error = f"the workers taking turns ran past {timeout_s} s"
-        return [dict(record, status="failed", error=error) for _, record in prepared]
+        return [
+            _job_result(spec, record, 0, "", timeout_s)
+            if os.path.exists(spec["result_path"])
+            else dict(record, status="failed", error=error)
+            for spec, record in prepared
+        ]
     results = []
     for (spec, record), (returncode, process_s) in zip(prepared, outcomes):
         log = Path(spec["job_dir"]) / "worker.log"
@@ -896,7 +902,12 @@ def parse_args(argv=None):
         default=os.cpu_count(),
         help="TF intra- and inter-op threads, the same for every configuration",
     )
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1800,
+        help="seconds per worker process (with --turns: per repetition's group of processes)",
+    )
     parser.add_argument(
         "--turns",
         type=int,

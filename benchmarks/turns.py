@@ -126,11 +126,10 @@ def run_in_turns(commands, specs, job_dirs, env, timeout_s, seed):
     Past ``timeout_s`` the workers are killed and TimeoutError raised."""
     started = time.perf_counter()
     deadline = time.monotonic() + timeout_s
-    workers = [
-        _Worker(command, dict(spec), job_dir, env)
-        for command, spec, job_dir in zip(commands, specs, job_dirs)
-    ]
+    workers = []
     try:
+        for command, spec, job_dir in zip(commands, specs, job_dirs):
+            workers.append(_Worker(command, dict(spec), job_dir, env))
         # Warm-ups run together; each worker then says it is ready (or dies: b"").
         active = [worker for worker in workers if _read(worker.done_r, deadline) == READY]
         rng = random.Random(seed)

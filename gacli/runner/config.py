@@ -186,9 +186,8 @@ class StrategyConfig:
 @dataclass
 class MonitorConfig:
     # The gradient noise scale from the micro-batches: TensorBoard's gns/ tags and a line in the
-    # run's summary that compares it with the effective batch. Off by default: under XLA it cost
-    # the MLP benchmark a tenth of its speed (without XLA on a CPU nothing: the non-finite check
-    # computes the same squared norm; docs/guides/batch-size.md).
+    # run's summary that compares it with the effective batch. Off by default: it cost the MLP
+    # benchmark about 5% of its speed, with XLA and without (docs/guides/batch-size.md).
     gns: bool = False
     # Measure it on every n-th window only (its micro-batches and its whole), by the update
     # count: the squared norms of the others are not computed for it (without XLA on a CPU the

@@ -39,10 +39,14 @@ def _read_status():
     pid, fd = _status
     try:
         if pid != os.getpid():
+            if fd is not None:
+                os.close(fd)  # a forked child's copy of its parent's file
+            fd = None
             fd = os.open(_STATUS, os.O_RDONLY)
             _status = (os.getpid(), fd)
         return os.pread(fd, 16384, 0)
     except OSError:
+        _status = (None, None)  # opened again at the next read
         return None
 
 

@@ -25,7 +25,8 @@ and two references outside the targets, to show where the time goes:
                      paired ratio to gacli_model is the cost of monitor.gns
                      (GACLI_BENCH_GNS_EVERY=n: every n-th window measured instead)
     ga_train_gns     ga_train with monitor.gns=true: its paired ratio to ga_train is the cost of
-                     monitor.gns where ga-train runs it (its non-finite check on)
+                     monitor.gns where ga-train runs it (its non-finite check on;
+                     GACLI_BENCH_GNS_EVERY=n: with monitor.gns_every=n)
 
 Writes results/<name>.md (medians, paired ratios, targets), results/<name>.json (every raw number)
 and results/<name>.png (paired ratio vs A per configuration).
@@ -387,6 +388,8 @@ def run_ga_train(spec, timer_window, job_dir):
     ]
     if spec["config"] == "ga_train_gns":
         overrides.append("monitor.gns=true")
+        if "GACLI_BENCH_GNS_EVERY" in os.environ:
+            overrides.append(f"monitor.gns_every={int(os.environ['GACLI_BENCH_GNS_EVERY'])}")
     rss_before_fit = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     status = gacli.runner.cli.main(overrides)
     if status:
@@ -755,13 +758,25 @@ def _method(meta):
     )
 
 
+def _gns_every_words(meta):
+    """What the header says of GACLI_BENCH_GNS_EVERY, where it was set."""
+    every = meta.get("gns_every")
+    if not every:
+        return ""
+    return (
+        f" The noise scale's configurations measured every {int(every)}-th window only "
+        f"(GACLI_BENCH_GNS_EVERY={int(every)}: monitor.gns_every, noise_scale_every)."
+    )
+
+
 def markdown_report(meta, summary, targets, startup, models, jits, configs):
     lines = [
         f"# gacli benchmark: {meta['name']}",
         "",
         f"{meta['date']}; {meta['cpu_count']} CPU cores, {meta['threads']} TF threads; "
         f"TensorFlow {meta['tensorflow']}, Keras {meta['keras']}, gacli {meta['gacli']}; "
-        f"{meta['reps']} repetitions{' (quick sizes)' if meta['quick'] else ''}.",
+        f"{meta['reps']} repetitions{' (quick sizes)' if meta['quick'] else ''}."
+        + _gns_every_words(meta),
         "",
         _method(meta) + " Cells are medians over repetitions; `x A` is the paired ratio (this "
         "configuration / A in the same repetition), median (min-max). Samples/s and CPU ms/sample "
@@ -962,6 +977,7 @@ def run_all(args):
         argv=sys.argv[1:],
         turns=args.turns,
         models=models,
+        gns_every=os.environ.get("GACLI_BENCH_GNS_EVERY"),
     )
     jobs = [
         dict(spec, model_key=key, jit=jit, config=config, seed=args.seed, threads=args.threads)

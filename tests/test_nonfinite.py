@@ -247,12 +247,16 @@ def test_the_finiteness_test_by_the_squared_norm_keeps_finite_squares_that_overf
             assert found == expected, (name, jit)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager-graph", "xla"])
 @pytest.mark.parametrize("noise_scale", [False, True])
-def test_a_micro_batch_whose_squares_overflow_is_kept_and_a_nan_one_dropped(noise_scale):
-    """In the engine, with the noise scale or without: a micro-batch of finite gradients of
-    1e20 (their squared norm is inf in float32) is added as any other; one with a nan is
-    dropped alone (skip_micro_batch), counted once."""
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+def test_a_micro_batch_whose_squares_overflow_is_kept_and_a_nan_one_dropped(noise_scale, jit):
+    """In the engine, with the noise scale or without, with XLA and without: a micro-batch of
+    finite gradients of 1e20 (their squared norm is inf in float32) is added as any other; one
+    with a nan is dropped alone (skip_micro_batch), counted once. The kernel (40x32) is large
+    enough for XLA's sums by matrix product (the check's count of non-finite elements and the
+    noise scale's squared norm)."""
+    model = keras.Sequential([keras.Input((40,)), keras.layers.Dense(32)])
+    assert model.trainable_variables[0].shape.num_elements() >= 512
     optimizer = gacli.GradientAccumulateOptimizer(
         keras.optimizers.SGD(1.0),
         accum_steps=3,
@@ -261,7 +265,9 @@ def test_a_micro_batch_whose_squares_overflow_is_kept_and_a_nan_one_dropped(nois
     )
     variables = model.trainable_variables
     before = [v.numpy().copy() for v in variables]
-    step = tf.function(lambda grads: optimizer.apply(grads, variables, sample_count=4))
+    step = tf.function(
+        lambda grads: optimizer.apply(grads, variables, sample_count=4), jit_compile=jit
+    )
     huge = [tf.fill(v.shape, 1e20) for v in variables]
     ones = [tf.ones_like(v) for v in variables]
     step(huge)

@@ -26,7 +26,7 @@ and two references outside the targets, to show where the time goes:
                      (GACLI_BENCH_GNS_EVERY=n: every n-th window measured instead)
     ga_train_gns     ga_train with monitor.gns=true: its paired ratio to ga_train is the cost of
                      monitor.gns where ga-train runs it (its non-finite check on;
-                     GACLI_BENCH_GNS_EVERY=n: with monitor.gns_every=n)
+                     GACLI_BENCH_GNS_EVERY=n: every n-th window measured instead)
 
 Writes results/<name>.md (medians, paired ratios, targets), results/<name>.json (every raw number)
 and results/<name>.png (paired ratio vs A per configuration).
@@ -388,7 +388,7 @@ def run_ga_train(spec, timer_window, job_dir):
     ]
     if spec["config"] == "ga_train_gns":
         overrides.append("monitor.gns=true")
-        if "GACLI_BENCH_GNS_EVERY" in os.environ:
+        if os.environ.get("GACLI_BENCH_GNS_EVERY"):
             overrides.append(f"monitor.gns_every={int(os.environ['GACLI_BENCH_GNS_EVERY'])}")
     rss_before_fit = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     status = gacli.runner.cli.main(overrides)
@@ -760,12 +760,12 @@ def _method(meta):
 
 def _gns_every_words(meta):
     """What the header says of GACLI_BENCH_GNS_EVERY, where it was set."""
-    every = meta.get("gns_every")
-    if not every:
+    every = int(meta.get("gns_every") or 1)
+    if every == 1:
         return ""
     return (
-        f" The noise scale's configurations measured every {int(every)}-th window only "
-        f"(GACLI_BENCH_GNS_EVERY={int(every)}: monitor.gns_every, noise_scale_every)."
+        f" The noise scale's configurations measured every {every}-th window only "
+        f"(GACLI_BENCH_GNS_EVERY={every}: monitor.gns_every, noise_scale_every)."
     )
 
 
@@ -977,7 +977,7 @@ def run_all(args):
         argv=sys.argv[1:],
         turns=args.turns,
         models=models,
-        gns_every=os.environ.get("GACLI_BENCH_GNS_EVERY"),
+        gns_every=int(os.environ.get("GACLI_BENCH_GNS_EVERY") or 1),
     )
     jobs = [
         dict(spec, model_key=key, jit=jit, config=config, seed=args.seed, threads=args.threads)

@@ -230,6 +230,14 @@ def timer_callback(timer):
     return TimerCallback()
 
 
+def gns_every():
+    """Every how many windows the noise scale's configurations measure: GACLI_BENCH_GNS_EVERY,
+    unset or empty for monitor.gns_every's default."""
+    from gacli.runner.config import MonitorConfig
+
+    return int(os.environ.get("GACLI_BENCH_GNS_EVERY") or MonitorConfig.gns_every)
+
+
 def build_library_config(spec):
     """(compiled model, repeated dataset, batch size) of A, B, C or one of gacli's wrappers."""
     import keras
@@ -262,10 +270,9 @@ def build_library_config(spec):
     if name in ("gacli_model", "gacli_model_1"):
         model = gacli.wrap_model(model, accum_steps=k)
     elif name == "gacli_model_gns":
-        from gacli.runner.config import MonitorConfig
-
-        every = int(os.environ.get("GACLI_BENCH_GNS_EVERY", MonitorConfig.gns_every))
-        model = gacli.wrap_model(model, accum_steps=k, noise_scale=True, noise_scale_every=every)
+        model = gacli.wrap_model(
+            model, accum_steps=k, noise_scale=True, noise_scale_every=gns_every()
+        )
     model.compile(
         optimizer=optimizer,
         loss=loss,
@@ -388,8 +395,7 @@ def run_ga_train(spec, timer_window, job_dir):
     ]
     if spec["config"] == "ga_train_gns":
         overrides.append("monitor.gns=true")
-        if os.environ.get("GACLI_BENCH_GNS_EVERY"):
-            overrides.append(f"monitor.gns_every={int(os.environ['GACLI_BENCH_GNS_EVERY'])}")
+        overrides.append(f"monitor.gns_every={gns_every()}")
     rss_before_fit = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     status = gacli.runner.cli.main(overrides)
     if status:
@@ -760,7 +766,7 @@ def _method(meta):
 
 def _gns_every_words(meta):
     """What the header says of GACLI_BENCH_GNS_EVERY, where it was set."""
-    every = int(meta.get("gns_every") or 1)
+    every = meta.get("gns_every") or 1
     if every == 1:
         return ""
     return (
@@ -977,7 +983,7 @@ def run_all(args):
         argv=sys.argv[1:],
         turns=args.turns,
         models=models,
-        gns_every=int(os.environ.get("GACLI_BENCH_GNS_EVERY") or 1),
+        gns_every=gns_every(),
     )
     jobs = [
         dict(spec, model_key=key, jit=jit, config=config, seed=args.seed, threads=args.threads)

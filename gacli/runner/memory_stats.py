@@ -41,7 +41,6 @@ def _read_status():
         if pid != os.getpid():
             if fd is not None:
                 os.close(fd)  # a forked child's copy of its parent's file
-            fd = None
             fd = os.open(_STATUS, os.O_RDONLY)
             _status = (os.getpid(), fd)
         return os.pread(fd, 16384, 0)

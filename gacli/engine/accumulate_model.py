@@ -14,6 +14,7 @@ import tensorflow as tf
 from gacli.engine import _keras_compat as compat
 from gacli.engine.accumulation import (
     _LOSS_SCALE_OPTIMIZER,
+    COUNTERS_LOG_KEY,
     GradientAccumulateOptimizer,
     StopOnNonFinite,
     find_accumulating_optimizer,
@@ -95,6 +96,35 @@ class WindowCallback(keras.callbacks.Callback):
         self._finish_epoch(last=last)
 
 
+class CountersFromLogs(keras.callbacks.Callback):
+    """Keeps the counters a compiled call returned in its logs (a model wrapper with
+    ``counters_in_logs``) for the callbacks after it, and takes them out of the logs; forgets
+    them before anything else can move the counters (the next call, validation, an epoch's end).
+    Put it first."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self._optimizer = optimizer
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._optimizer.forget_counters()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._optimizer.take_counters(logs)
+
+    def on_test_begin(self, logs=None):
+        self._optimizer.forget_counters()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._optimizer.forget_counters()
+        if logs:
+            logs.pop(COUNTERS_LOG_KEY, None)  # the epoch's logs are its last call's
+
+    def on_train_end(self, logs=None):
+        if logs:
+            logs.pop(COUNTERS_LOG_KEY, None)
+
+
 def accumulation_callbacks(optimizer, callbacks=()):
     """``callbacks`` with what training with ``optimizer`` (a GradientAccumulateOptimizer) needs,
     in the order it needs them: the window closer first (an epoch's last window is applied
@@ -116,6 +146,11 @@ def accumulation_callbacks(optimizer, callbacks=()):
 class AccumulationMixin(compat.KerasWorkarounds):
     """``compile``/``train_step``/``fit`` of a Keras model that accumulates gradients; its
     settings are one :class:`~gacli.AccumulationConfig`, ``accumulation_config``."""
+
+    # True: each step's logs carry the optimizer's counters under COUNTERS_LOG_KEY, and fit()
+    # puts a CountersFromLogs first, which takes them out for the callbacks after it (ga-train
+    # sets it with one replica). Set it before the first fit().
+    counters_in_logs = False
 
     def _accumulating_optimizer_for(self, optimizer):
         """``optimizer`` (an instance, a name or a config) wrapped in a
@@ -287,6 +322,8 @@ class AccumulationMixin(compat.KerasWorkarounds):
             logs["skipped_windows"] = tf.convert_to_tensor(accumulator.skipped_windows)
         if accumulator.loss_scaling:
             logs["loss_scale"] = tf.convert_to_tensor(accumulator.loss_scale)
+        if self.counters_in_logs:
+            logs[COUNTERS_LOG_KEY] = accumulator.counters_tensor()
         return logs
 
     def fit(
@@ -300,6 +337,8 @@ class AccumulationMixin(compat.KerasWorkarounds):
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
         callbacks = accumulation_callbacks(self.optimizer, callbacks or ())
+        if self.counters_in_logs and not any(isinstance(c, CountersFromLogs) for c in callbacks):
+            callbacks.insert(0, CountersFromLogs(self.optimizer))
         return super().fit(
             x,
             y,

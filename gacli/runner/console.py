@@ -23,7 +23,6 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from gacli.engine.window import read_now
 from gacli.runner.config import Progress as ProgressMode
 from gacli.runner.throughput import samples_per_second
 
@@ -163,19 +162,19 @@ class ProgressCallback(keras.callbacks.Callback):
 
     def _refresh(self, logs):
         self._last_line = time.perf_counter()
-        micro_step = int(read_now(self.accumulator.micro_step))
+        micro_step = int(self.accumulator.after_call("micro_step"))
         self._progress.update(
             self._task,
-            completed=int(read_now(self.accumulator.optimizer_step)),
+            completed=int(self.accumulator.after_call("optimizer_step")),
             micro=micro_step,
             metrics=_format_logs(logs),
             speed=self._speed(micro_step),
         )
 
     def _line(self, logs, prefix=""):
-        micro_step = int(read_now(self.accumulator.micro_step))
+        micro_step = int(self.accumulator.after_call("micro_step"))
         self.console.print(
-            f"{prefix}update {int(read_now(self.accumulator.optimizer_step))}"
+            f"{prefix}update {int(self.accumulator.after_call('optimizer_step'))}"
             f"/{self.total_updates}  micro-batch {micro_step}  "
             f"{_format_logs(logs)}  {self._speed(micro_step)}",
             soft_wrap=True,

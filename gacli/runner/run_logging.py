@@ -10,9 +10,18 @@ TensorFlow tracks device memory: GPUs; the CPU allocator reports nothing),
 ``precision/loss_scale`` and ``precision/skipped_*`` when loss scaling is on,
 ``schedule/{noise_scale,accum_steps,effective_size}`` at each decision of ``accum_schedule=gns``,
 and the run's hyper-parameters for TensorBoard's HParams tab.
+
+Every cost here is paid on the training thread, between compiled calls, once an update: the
+counters come from the call's own logs where the model wrapper returns them (no op after the
+call), an update's event is a kept one whose numbers are set (:class:`UpdateEvents`), and the
+file is written by TensorFlow's record writer (:class:`EventFile`). A thread of its own to write
+the events made training slower on a 2-core CPU, not faster: its Python competed with the compiled
+call for the cores and the interpreter's lock.
 """
 
+import itertools
 import os
+import socket
 import time
 
 import keras
@@ -20,7 +29,6 @@ import tensorflow as tf
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.scalar import metadata as scalar_metadata
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from gacli.engine.window import read_now
 from gacli.runner.console import micro_batches_done
@@ -57,13 +65,90 @@ def _number(value):
         return None
 
 
+_FILES = itertools.count()
+_FLUSH_EVERY_S = 10.0  # what tf.summary's writers wait at most (flush_millis)
+
+
+class EventFile:
+    """A TensorBoard event file: a record file of ``Event`` protos, written by TensorFlow's record
+    writer (C++: framing and checksums). TensorBoard's own Python writer computes each record's
+    CRC32C in Python, about 0.1 ms for an update's event, on a thread that then competes with
+    training for the interpreter's lock. Flushed at most every 10 s as events come, and by
+    :meth:`flush`."""
+
+    def __init__(self, log_dir):
+        name = "events.out.tfevents.%010d.%s.%s.%s" % (
+            time.time(),
+            socket.gethostname(),
+            os.getpid(),
+            next(_FILES),
+        )
+        self.path = os.path.join(log_dir, name)
+        self._records = tf.io.TFRecordWriter(self.path)
+        self._flushed = time.monotonic()
+        self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self.flush()
+
+    def add_event(self, event):
+        self._records.write(event.SerializeToString())
+        if time.monotonic() - self._flushed > _FLUSH_EVERY_S:
+            self.flush()
+
+    def flush(self):
+        self._records.flush()
+        self._flushed = time.monotonic()
+
+    def close(self):
+        self._records.close()
+
+
+class UpdateEvents:
+    """The events of updates, each a kept event whose numbers are set: making the ~17 scalar
+    protos of an update afresh took 0.1 ms. An event is kept for each list of tags (a few: the
+    rates and the noise scale join after the first updates)."""
+
+    def __init__(self):
+        self._kept = {}
+
+    def event(self, step, scalars):
+        """The event at ``step`` of ``scalars``, (tag, number) pairs."""
+        tags = tuple(tag for tag, _ in scalars)
+        kept = self._kept.get(tags)
+        if kept is None:
+            event = event_pb2.Event(
+                summary=summary_pb2.Summary(value=[_scalar_value(tag, 0.0) for tag in tags])
+            )
+            kept = self._kept[tags] = (event, [v.tensor.float_val for v in event.summary.value])
+        event, numbers = kept
+        event.step, event.wall_time = int(step), time.time()
+        for number, (_, value) in zip(numbers, scalars):
+            number[0] = float(value)
+        return event
+
+
+def _memory_scalars():
+    """(tag, bytes) of device memory (where TensorFlow tracks it) and host memory, read now."""
+    scalars = []
+    device = device_memory_bytes()
+    if device is not None:
+        scalars += [
+            ("memory/device_current_bytes", device[0]),
+            ("memory/device_peak_bytes", device[1]),
+        ]
+    current, peak = host_memory_bytes()
+    if current is not None:
+        scalars.append(("memory/host_rss_bytes", current))
+    scalars.append(("memory/host_peak_rss_bytes", peak))
+    return scalars
+
+
 class TensorBoardLogger(keras.callbacks.Callback):
     """Writes the run's scalars once per optimizer update, and val metrics once per epoch.
 
-    The event file is written with TensorBoard's own Python writer, one event per update holding
-    all of that update's scalars: a tenth of the cost of a ``tf.summary`` op per scalar, which
-    matters when updates take milliseconds. The optimizer's counter is read only once a window
-    can have closed (``accum_steps`` micro-batches after the last update), not every micro-batch.
+    One event per update holds all of that update's scalars, written from Python (a tenth of the
+    cost of a ``tf.summary`` op per scalar, which matters when updates take milliseconds). The
+    optimizer's counter is looked at only once a window can have closed (``accum_steps``
+    micro-batches after the last update), not every micro-batch.
 
     Args:
         log_dir: where the event file goes (the run directory's ``tensorboard/``).
@@ -71,14 +156,15 @@ class TensorBoardLogger(keras.callbacks.Callback):
         accumulator: the run's GradientAccumulateOptimizer (counters, learning rate).
         hparams: dict of hyper-parameters for the HParams tab.
         clock: the run's :class:`~gacli.runner.throughput.TrainingClock`, placed before this
-        callback
-            (samples per micro-batch, training time); the progress display reads the same one.
+            callback (samples per micro-batch, training time); the progress display reads the
+            same one.
     """
 
     def __init__(self, log_dir, plan, accumulator, hparams, clock):
         super().__init__()
         os.makedirs(log_dir, exist_ok=True)
-        self.writer = EventFileWriter(log_dir)
+        self.writer = EventFile(log_dir)
+        self._events = UpdateEvents()
         self.plan = plan
         self.accumulator = accumulator
         self.hparams = hparams
@@ -113,8 +199,8 @@ class TensorBoardLogger(keras.callbacks.Callback):
     def _open_window(self):
         """(micro-batches of the run, micro-batches of them in the open window)."""
         return (
-            int(read_now(self.accumulator.micro_step)),
-            int(read_now(self.accumulator.window_micro_steps)),
+            int(self.accumulator.after_call("micro_step")),
+            int(self.accumulator.after_call("window_micro_steps")),
         )
 
     def on_train_begin(self, logs=None):
@@ -143,22 +229,22 @@ class TensorBoardLogger(keras.callbacks.Callback):
         self._epoch_done = done
         if self._micro_batches_since < self.plan.accum_steps:
             return  # no window can have closed since the last update
-        step = int(read_now(self.accumulator.optimizer_step))
+        step = int(self.accumulator.after_call("optimizer_step"))
         if step != self._last_step:
             self._write_train(step, logs or {})
 
     def _plan_values(self):
-        """The batch configuration's scalars, made again only when the plan changes (a proto
-        costs 8 us, and they are logged every update)."""
+        """The batch configuration's (tag, number) pairs, made again only when the plan
+        changes."""
         key = (self.plan, self.oom_recoveries)
         if self._plan_key != key:
             self._plan_key = key
             self._plan_scalars = [
-                _scalar_value("batch/effective_size", self.plan.effective_batch_size),
-                _scalar_value("batch/micro_size", self.plan.micro_batch_size),
-                _scalar_value("batch/accum_steps", self.plan.accum_steps),
-                _scalar_value("batch/replicas", self.plan.replicas),
-                _scalar_value("batch/oom_recoveries", self.oom_recoveries),
+                ("batch/effective_size", self.plan.effective_batch_size),
+                ("batch/micro_size", self.plan.micro_batch_size),
+                ("batch/accum_steps", self.plan.accum_steps),
+                ("batch/replicas", self.plan.replicas),
+                ("batch/oom_recoveries", self.oom_recoveries),
             ]
         return self._plan_scalars
 
@@ -178,29 +264,24 @@ class TensorBoardLogger(keras.callbacks.Callback):
     def _write_train(self, step, logs):
         micro_step, in_window = self._open_window()
         window_end = micro_step - in_window
-        values = [
-            *self._plan_values(),
-            _scalar_value("batch/update_samples", self._update_samples(window_end)),
-        ]
+        numbers = [("batch/update_samples", self._update_samples(window_end))]
         for name, value in logs.items():
             number = _number(value)
             if number is None:
                 continue
             if name in ("loss_scale", "skipped_micro_batches", "skipped_windows"):
-                values.append(_scalar_value(f"precision/{name}", number))
+                numbers.append((f"precision/{name}", number))
             elif not name.startswith("val_"):
-                values.append(_scalar_value(f"train/{name}", number))
+                numbers.append((f"train/{name}", number))
         noise = self.accumulator.noise_scale()
         if noise is not None and noise["windows"]:
-            values += [
-                _scalar_value("gns/noise_scale", noise["noise_scale"]),
-                _scalar_value("gns/grad_sq", noise["grad_sq"]),
-                _scalar_value("gns/trace_cov", noise["trace_cov"]),
+            numbers += [
+                (f"gns/{key}", noise[key]) for key in ("noise_scale", "grad_sq", "trace_cov")
             ]
-        values += [
-            _scalar_value("optimizer/lr", _number(self.accumulator.learning_rate)),
-            _scalar_value("optimizer/step", step),
-            _scalar_value("optimizer/micro_step", micro_step),
+        numbers += [
+            ("optimizer/lr", self.accumulator.after_call("learning_rate")),
+            ("optimizer/step", step),
+            ("optimizer/micro_step", micro_step),
         ]
         reading = self.clock.reading(micro_step)
         rates = {
@@ -208,21 +289,12 @@ class TensorBoardLogger(keras.callbacks.Callback):
             "throughput/mean_samples_per_sec": samples_per_second(reading),
         }
         # None until there is training time after the first call.
-        values += [_scalar_value(tag, rate) for tag, rate in rates.items() if rate is not None]
+        numbers += [(tag, rate) for tag, rate in rates.items() if rate is not None]
         if self.clock.first_call_seconds is not None and not self._first_call_logged:
             self._first_call_logged = True
-            values.append(_scalar_value("time/first_call_seconds", self.clock.first_call_seconds))
-        device = device_memory_bytes()
-        if device is not None:
-            values += [
-                _scalar_value("memory/device_current_bytes", device[0]),
-                _scalar_value("memory/device_peak_bytes", device[1]),
-            ]
-        current, peak = host_memory_bytes()
-        if current is not None:
-            values.append(_scalar_value("memory/host_rss_bytes", current))
-        values.append(_scalar_value("memory/host_peak_rss_bytes", peak))
-        self._write(step, values)
+            numbers.append(("time/first_call_seconds", self.clock.first_call_seconds))
+        scalars = [*self._plan_values(), *numbers, *_memory_scalars()]
+        self.writer.add_event(self._events.event(step, scalars))
         self._last_step, self._last_reading = step, reading
         self._window_start = window_end
         self._micro_batches_since = in_window

@@ -25,7 +25,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from gacli.engine.window import read_now
 from gacli.errors import ConfigError, Interrupted
 from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, looks_intact, read_json, write_json
 
@@ -336,7 +335,7 @@ class RunCheckpoint(keras.callbacks.Callback):
         if self.save and self.every_updates:
             # A call of steps_per_execution micro-batches may apply several updates: a save is
             # due when a multiple of every_updates was passed since the last one.
-            due = int(read_now(self.accumulator.optimizer_step)) // self.every_updates
+            due = int(self.accumulator.after_call("optimizer_step")) // self.every_updates
             if due > self._saves_due:
                 self._saves_due = due
                 self.state.save(self.epoch, self.done)

@@ -1153,6 +1153,10 @@ def build_job(cfg, plan, data, steps, strategy):
         )
         if wrapper is Wrapper.model:
             model = wrap_model(model, config=settings)
+            # One replica: the callbacks read the counters from each call's logs (on several,
+            # Keras reduces the logs over replicas and workers; there they are read after it).
+            one_replica = strategy.num_replicas_in_sync == 1 and not is_multi_worker(strategy)
+            model.counters_in_logs = one_replica
             optimizer = inner
         else:
             from gacli.engine.clipping import agc_unit_axes

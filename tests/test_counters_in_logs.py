@@ -147,3 +147,20 @@ def test_ga_train_logs_the_counters_of_each_update_and_its_results_hold_none(tmp
             with open(os.path.join(run_dir, name)) as handle:
                 assert COUNTERS_LOG_KEY not in handle.read(), name
     assert COUNTERS_LOG_KEY not in output
+
+
+def test_a_fit_stopped_by_a_non_finite_gradient_keeps_no_counters_behind():
+    x, y = make_data(48)
+    x[20] = np.nan  # micro-batch 3 of 8 samples: the first call of 2 micro-batches is clean
+    inputs, outputs = mlp_layers()
+    model = gacli.GradientAccumulateModel(
+        accum_steps=2, inputs=inputs, outputs=outputs, nonfinite="stop"
+    )
+    model.counters_in_logs = True
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=2)
+    with pytest.raises(gacli.NonFiniteError):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    accumulator = model.accumulating_optimizer
+    assert accumulator._after_call is None
+    assert accumulator.halted_micro_step() == 3
+    assert accumulator.after_call("optimizer_step") == _read(accumulator, "optimizer_step") == 1

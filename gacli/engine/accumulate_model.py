@@ -106,6 +106,9 @@ class CountersFromLogs(keras.callbacks.Callback):
         super().__init__()
         self._optimizer = optimizer
 
+    def on_train_begin(self, logs=None):
+        self._optimizer.forget_counters()
+
     def on_train_batch_begin(self, batch, logs=None):
         self._optimizer.forget_counters()
 
@@ -121,6 +124,7 @@ class CountersFromLogs(keras.callbacks.Callback):
             logs.pop(COUNTERS_LOG_KEY, None)  # the epoch's logs are its last call's
 
     def on_train_end(self, logs=None):
+        self._optimizer.forget_counters()
         if logs:
             logs.pop(COUNTERS_LOG_KEY, None)
 
@@ -149,7 +153,7 @@ class AccumulationMixin(compat.KerasWorkarounds):
 
     # True: each step's logs carry the optimizer's counters under COUNTERS_LOG_KEY, and fit()
     # puts a CountersFromLogs first, which takes them out for the callbacks after it (ga-train
-    # sets it with one replica). Set it before the first fit().
+    # sets it). Only on one replica and not on a TPU (_counters_logged); set it before fit().
     counters_in_logs = False
 
     def _accumulating_optimizer_for(self, optimizer):
@@ -322,7 +326,7 @@ class AccumulationMixin(compat.KerasWorkarounds):
             logs["skipped_windows"] = tf.convert_to_tensor(accumulator.skipped_windows)
         if accumulator.loss_scaling:
             logs["loss_scale"] = tf.convert_to_tensor(accumulator.loss_scale)
-        if self.counters_in_logs:
+        if self._counters_logged():
             logs[COUNTERS_LOG_KEY] = accumulator.counters_tensor()
         return logs
 
@@ -337,16 +341,33 @@ class AccumulationMixin(compat.KerasWorkarounds):
             with self.distribute_strategy.scope():
                 self.optimizer.build(self.trainable_variables)
         callbacks = accumulation_callbacks(self.optimizer, callbacks or ())
-        if self.counters_in_logs and not any(isinstance(c, CountersFromLogs) for c in callbacks):
+        if self._counters_logged() and not any(isinstance(c, CountersFromLogs) for c in callbacks):
             callbacks.insert(0, CountersFromLogs(self.optimizer))
-        return super().fit(
-            x,
-            y,
-            batch_size=batch_size,
-            epochs=epochs,
-            verbose=verbose,
-            callbacks=callbacks,
-            **kwargs,
+        try:
+            return super().fit(
+                x,
+                y,
+                batch_size=batch_size,
+                epochs=epochs,
+                verbose=verbose,
+                callbacks=callbacks,
+                **kwargs,
+            )
+        finally:
+            # A callback that raises (a non-finite stop, an interruption) leaves the last call's
+            # counters kept; whatever moves the counters next must not see them.
+            self.optimizer.forget_counters()
+
+    def _counters_logged(self):
+        """``counters_in_logs``, where it can hold: one replica, no TPU. (Across workers Keras
+        averages each log over its first axis, which would make the vector one number; on a TPU
+        its float64 would be emulated.)"""
+        strategy = self.distribute_strategy
+        return bool(
+            self.counters_in_logs
+            and strategy.num_replicas_in_sync == 1
+            and not compat.in_multi_worker_mode(strategy)
+            and not isinstance(strategy, tf.distribute.TPUStrategy)
         )
 
 

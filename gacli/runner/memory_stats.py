@@ -113,6 +113,7 @@ def reset_memory_peaks():
     release_free_memory()
     reset_high_water_mark()
     _largest_read = 0
+    _memory_devices.cache_clear()  # a TPU's appear once a job initialises it
     for device in _memory_devices():
         # TensorFlow raises ValueError for a device whose allocator keeps no statistics: it then
         # has no peak to reset either.

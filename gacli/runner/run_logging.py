@@ -223,6 +223,11 @@ class TensorBoardLogger(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_done = 0
 
+    def on_test_begin(self, logs=None):
+        # The file is flushed as events come, at most every 10 s: a long validation would
+        # otherwise hold the last updates' events back from a live TensorBoard.
+        self.writer.flush()
+
     def on_train_batch_end(self, batch, logs=None):
         done = micro_batches_done(batch, self.params)
         self._micro_batches_since += done - self._epoch_done

@@ -1153,10 +1153,9 @@ def build_job(cfg, plan, data, steps, strategy):
         )
         if wrapper is Wrapper.model:
             model = wrap_model(model, config=settings)
-            # One replica: the callbacks read the counters from each call's logs (on several,
-            # Keras reduces the logs over replicas and workers; there they are read after it).
-            one_replica = strategy.num_replicas_in_sync == 1 and not is_multi_worker(strategy)
-            model.counters_in_logs = one_replica
+            # The callbacks read the counters from each call's logs where the model can return
+            # them (one replica, not a TPU); elsewhere they read the variables after each call.
+            model.counters_in_logs = True
             optimizer = inner
         else:
             from gacli.engine.clipping import agc_unit_axes

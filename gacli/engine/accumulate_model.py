@@ -99,15 +99,12 @@ class WindowCallback(keras.callbacks.Callback):
 class CountersFromLogs(keras.callbacks.Callback):
     """Keeps the counters a compiled call returned in its logs (a model wrapper with
     ``counters_in_logs``) for the callbacks after it, and takes them out of the logs; forgets
-    them before anything else can move the counters (the next call, validation, an epoch's end).
-    Put it first."""
+    them before anything else can move the counters (the next call, validation, an epoch's end;
+    the model's fit() forgets them when it ends, also by an error). Put it first."""
 
     def __init__(self, optimizer):
         super().__init__()
         self._optimizer = optimizer
-
-    def on_train_begin(self, logs=None):
-        self._optimizer.forget_counters()
 
     def on_train_batch_begin(self, batch, logs=None):
         self._optimizer.forget_counters()
@@ -124,7 +121,6 @@ class CountersFromLogs(keras.callbacks.Callback):
             logs.pop(COUNTERS_LOG_KEY, None)  # the epoch's logs are its last call's
 
     def on_train_end(self, logs=None):
-        self._optimizer.forget_counters()
         if logs:
             logs.pop(COUNTERS_LOG_KEY, None)
 

@@ -813,15 +813,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def counters_tensor(self):
         """In the step function: the counters of :data:`AFTER_CALL` as one float64 vector (exact
         below 2**53), which a model wrapper's step can return in its logs."""
-        halted = self._guard.halted_at if self.nonfinite is NonFinite.stop else 0
-        values = (
-            self.optimizer_step,
-            self.micro_step,
-            self.window_micro_steps,
-            halted,
-            self.learning_rate,
-        )
+        values = [self._counter(name) for name in AFTER_CALL]
         return tf.stack([tf.cast(tf.convert_to_tensor(value), "float64") for value in values])
+
+    def _counter(self, name):
+        """The variable (or, for a schedule's learning rate, the value) behind counter ``name``;
+        0 for ``halted_at`` under a policy that never halts."""
+        if name == "halted_at" and self.nonfinite is not NonFinite.stop:
+            return 0
+        return getattr(self, name)
 
     def take_counters(self, logs):
         """Keep the counters a compiled call returned in ``logs`` (under
@@ -841,15 +841,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         call's logs while they are kept (no op after the call), else read now."""
         if self._after_call is not None:
             return self._after_call[name]
-        if name == "halted_at" and self.nonfinite is not NonFinite.stop:
-            return 0
-        variable = {
-            "optimizer_step": lambda: self.optimizer_step,
-            "micro_step": lambda: self.micro_step,
-            "window_micro_steps": lambda: self.window_micro_steps,
-            "halted_at": lambda: self._guard.halted_at,
-            "learning_rate": lambda: self.learning_rate,
-        }[name]()
+        variable = self._counter(name)
         if isinstance(variable, (tf.Variable, keras.Variable)):
             return read_now(variable).item()
         return np.asarray(variable).item()

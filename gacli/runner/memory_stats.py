@@ -69,8 +69,8 @@ def host_memory_bytes():
 
 @functools.cache
 def _memory_devices():
-    """Logical devices whose memory TensorFlow tracks: GPUs and TPUs (not the CPU). Listed once:
-    they are fixed when TensorFlow starts, and listing them took 20 us an update."""
+    """Logical devices whose memory TensorFlow tracks: GPUs and TPUs (not the CPU). Listed once a
+    job (:func:`reset_memory_peaks` lists them again): listing them took 20 us an update."""
     return [
         device.name.split("device:")[-1]
         for kind in ("GPU", "TPU")

@@ -55,9 +55,8 @@ def _scalar_value(tag, value):
 
 
 def _number(value):
-    if isinstance(value, (tf.Variable, keras.Variable)):
-        value = read_now(value)  # the learning rate's variable
-    elif hasattr(value, "numpy"):
+    """A log's value as a float, or None where it is not a number."""
+    if hasattr(value, "numpy"):
         value = value.numpy()
     try:
         return float(value)

@@ -83,6 +83,42 @@ def test_the_counters_from_a_calls_logs_equal_a_read_after_it_and_are_shown_nowh
     assert int(model.accumulating_optimizer.optimizer_step.numpy()) == 6
 
 
+class _CompareNoise(keras.callbacks.Callback):
+    """After each call: the noise scale's reading from the kept state against a read of it."""
+
+    def __init__(self, accumulator):
+        super().__init__()
+        self.accumulator = accumulator
+        self.readings = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        assert self.accumulator._after_call is not None
+        given = self.accumulator.noise_scale()
+        read = self.accumulator._noise.reading()  # no state given: a read of the variable
+        self.readings.append((given, read))
+
+
+def test_the_noise_scale_from_a_calls_logs_equals_a_read_after_it():
+    x, y = make_data(72)
+    inputs, outputs = mlp_layers()
+    model = gacli.GradientAccumulateModel(
+        accum_steps=3, inputs=inputs, outputs=outputs, noise_scale=True
+    )
+    model.counters_in_logs = True
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=3)
+    compare = _CompareNoise(model.accumulating_optimizer)
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[compare])
+    assert COUNTERS_LOG_KEY not in history.history
+    assert len(compare.readings) == 6
+    order = ("grad_sq", "trace_cov", "noise_scale", "grad_sq_raw", "trace_raw", "windows")
+    for given, read in compare.readings:
+        assert [given[key] for key in order] == read
+    # Every window measured: the estimate moved, and the last one is the one kept.
+    assert [given["windows"] for given, _ in compare.readings] == [1, 2, 3, 4, 5, 6]
+    model.accumulating_optimizer.forget_counters()
+    assert model.accumulating_optimizer.noise_scale() == compare.readings[-1][0]
+
+
 def test_without_counters_in_logs_the_logs_and_the_reads_are_as_before():
     x, y = make_data(40)
     inputs, outputs = mlp_layers()

@@ -284,12 +284,13 @@ def test_a_micro_batch_whose_squares_overflow_is_kept_and_a_nan_one_dropped(nois
         np.testing.assert_allclose(start - after.numpy(), np.full(start.shape, 5e19), rtol=1e-6)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
 @pytest.mark.parametrize("noise_scale", [False, True])
-def test_sparse_rows_whose_squares_overflow_are_kept_and_nan_rows_dropped(noise_scale):
+def test_sparse_rows_whose_squares_overflow_are_kept_and_nan_rows_dropped(noise_scale, jit):
     """An embedding's gradient (tf.IndexedSlices): with the noise scale on, its finiteness is
-    read from the squared norm of its summed rows, shared with the noise scale; without, its
-    values are tested. Either way a micro-batch of finite rows of 1e20 is added, one with a
-    nan row is dropped alone and counted once."""
+    read from the squared norm of its summed rows, shared with the noise scale (under XLA
+    too); without, its values are tested. Either way a micro-batch of finite rows of 1e20 is
+    added, one with a nan row is dropped alone and counted once."""
     model = keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(10, 4)])
     optimizer = gacli.GradientAccumulateOptimizer(
         keras.optimizers.SGD(1.0),
@@ -304,7 +305,9 @@ def test_sparse_rows_whose_squares_overflow_are_kept_and_nan_rows_dropped(noise_
         values = tf.constant(np.asarray(values, "float32"))
         return tf.IndexedSlices(values, tf.constant(indices), dense_shape=tf.constant([10, 4]))
 
-    step = tf.function(lambda grad: optimizer.apply([grad], [table], sample_count=2))
+    step = tf.function(
+        lambda grad: optimizer.apply([grad], [table], sample_count=2), jit_compile=jit
+    )
     step(rows(np.full((2, 4), 1e20), [1, 1]))  # a repeated row: 2e20 in row 1
     bad = np.ones((2, 4))
     bad[1, 2] = np.nan

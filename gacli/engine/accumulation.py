@@ -162,6 +162,8 @@ def _optimizer_settings(config, kwargs, mixed_precision, **given):
 # update).
 COUNTERS_LOG_KEY = "gacli_counters"
 AFTER_CALL = ("optimizer_step", "micro_step", "window_micro_steps", "halted_at", "learning_rate")
+# With the noise scale on, its state vector follows them in the logs, kept under this name.
+NOISE_STATE = "noise_state"
 
 
 @keras.saving.register_keras_serializable(package="gacli")
@@ -790,7 +792,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         the last window's raw ``grad_sq_raw`` and ``trace_raw``, and ``windows`` measured."""
         if self._noise is None or not self.built:
             return None
-        grad_sq, trace, scale, grad_sq_raw, trace_raw, windows = self._noise.reading()
+        kept = self._after_call.get(NOISE_STATE) if self._after_call is not None else None
+        grad_sq, trace, scale, grad_sq_raw, trace_raw, windows = self._noise.reading(kept)
         return {
             "noise_scale": scale,
             "grad_sq": grad_sq,
@@ -814,7 +817,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """In the step function: the counters of :data:`AFTER_CALL` as one float64 vector (exact
         below 2**53), which a model wrapper's step can return in its logs."""
         values = [self._counter(name) for name in AFTER_CALL]
-        return tf.stack([tf.cast(tf.convert_to_tensor(value), "float64") for value in values])
+        counters = tf.stack([tf.cast(tf.convert_to_tensor(value), "float64") for value in values])
+        if self._noise is None:
+            return counters
+        # The noise scale's state follows (float32 values, exact in float64).
+        return tf.concat([counters, tf.cast(self._noise.state, "float64")], axis=0)
 
     def _counter(self, name):
         """The variable (or, for a schedule's learning rate, the value) behind counter ``name``;
@@ -829,7 +836,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         counters = logs.pop(COUNTERS_LOG_KEY, None) if logs else None
         if counters is not None:
             # NumPy where Keras turns the logs into Python numbers first, else a tensor.
-            counters = dict(zip(AFTER_CALL, np.asarray(counters, np.float64).tolist()))
+            values = np.asarray(counters, np.float64)
+            counters = dict(zip(AFTER_CALL, values[: len(AFTER_CALL)].tolist()))
+            if values.size > len(AFTER_CALL):
+                counters[NOISE_STATE] = values[len(AFTER_CALL) :].astype(np.float32)
         # Past Keras' attribute tracking, which took 0.19 ms an assignment.
         object.__setattr__(self, "_after_call", counters)
 

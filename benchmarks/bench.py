@@ -27,6 +27,9 @@ and two references outside the targets, to show where the time goes:
     ga_train_gns     ga_train with monitor.gns=true: its paired ratio to ga_train is the cost of
                      monitor.gns where ga-train runs it (its non-finite check on;
                      GACLI_BENCH_GNS_EVERY=n: every n-th window measured instead)
+    ga_train_at      ga_train as gacli at an earlier commit ran it (--commit REV, checked out
+                     in a git worktree for the run): its paired ratio to ga_train says whether
+                     today's engine is as fast as that one, in the same minutes of the machine
 
 Writes results/<name>.md (medians, paired ratios, targets), results/<name>.json (every raw number)
 and results/<name>.png (paired ratio vs A per configuration).
@@ -63,7 +66,10 @@ CONFIGS = {
     "gacli_model_1": "gacli wrap_model, steps_per_execution=1",
     "gacli_model_gns": "gacli wrap_model, noise_scale=True",
     "ga_train_gns": "ga-train, monitor.gns=true",
+    "ga_train_at": "ga-train at --commit",
 }
+# The configurations that run the ga-train command line.
+GA_TRAIN_CONFIGS = ("ga_train", "ga_train_gns", "ga_train_at")
 # The ways gacli is meant to be run: the targets are checked on these.
 GACLI_CONFIGS = ("gacli_model", "gacli_optimizer", "ga_train")
 # Configurations that run k micro-batches per compiled call.
@@ -335,9 +341,7 @@ def run_ga_train(spec, timer_window, job_dir):
     """
     import numpy as np
 
-    import gacli.runner.cli
-    import gacli.runner.train
-
+    cli, train = ga_train_modules()
     x, y = synthetic_arrays(spec)
     data_path = os.path.join(job_dir, "data.npz")
     np.savez(data_path, x=x, y=y)
@@ -346,7 +350,7 @@ def run_ga_train(spec, timer_window, job_dir):
     measure_steps = timer_window["measure_samples"] // micro
     found = {}
 
-    class TimedProgress(gacli.runner.train.ProgressCallback):
+    class TimedProgress(train.ProgressCallback):
         def __init__(self, console, mode, plan, accumulator, *args, **kwargs):
             super().__init__(console, mode, plan, accumulator, *args, **kwargs)
             self.timer = WindowTimer(
@@ -369,7 +373,7 @@ def run_ga_train(spec, timer_window, job_dir):
             super().on_train_end(logs)
             found["params"] = self.model.count_params()
 
-    gacli.runner.train.ProgressCallback = TimedProgress
+    train.ProgressCallback = TimedProgress
     model_overrides = [f"model={spec['model']['name']}"] + [
         f"model.{key}={json.dumps(value).replace(' ', '')}"
         for key, value in spec["model"].items()
@@ -397,7 +401,7 @@ def run_ga_train(spec, timer_window, job_dir):
         overrides.append("monitor.gns=true")
         overrides.append(f"monitor.gns_every={gns_every()}")
     rss_before_fit = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    status = gacli.runner.cli.main(overrides)
+    status = cli.main(overrides)
     if status:
         raise RuntimeError(f"ga-train exited with status {status}")
     if "timer" not in found:
@@ -415,8 +419,25 @@ def run_ga_train(spec, timer_window, job_dir):
     )
 
 
+def ga_train_modules():
+    """The modules of ``ga-train``'s entry point and of ``train()`` (whose ProgressCallback the
+    timer rides in): ``gacli.runner.cli`` and ``gacli.runner.train``, or in an engine from before
+    the runner had its own package (``ga_train_at`` of an older commit), ``gacli.cli`` and
+    ``gacli.train``. Told apart by the package's folder: an editable install's import hook would
+    find today's ``gacli.runner`` for an older ``gacli`` too."""
+    import importlib
+
+    import gacli
+
+    package = "gacli.runner" if (Path(gacli.__file__).parent / "runner").is_dir() else "gacli"
+    return importlib.import_module(f"{package}.cli"), importlib.import_module(f"{package}.train")
+
+
 def run_worker(spec, build=None):
     """One configuration in this process; ``build``: as for :func:`run_library_config`."""
+    if spec.get("gacli_tree"):
+        # ga_train_at: that commit's gacli (and its configs) before the installed one.
+        sys.path.insert(0, spec["gacli_tree"])
     import tensorflow as tf
 
     # Before any op runs: the same thread pools for every configuration.
@@ -427,14 +448,17 @@ def run_worker(spec, build=None):
         "warmup_samples": spec["warmup_updates"] * window_samples,
         "measure_samples": spec["measure_updates"] * window_samples,
     }
-    if spec["config"] in ("ga_train", "ga_train_gns"):
+    if spec["config"] in GA_TRAIN_CONFIGS:
         figures = run_ga_train(spec, timer_window, spec["job_dir"])
     else:
         figures = run_library_config(spec, timer_window, build)
     device_peak = None
     if tf.config.list_physical_devices("GPU"):
         device_peak = tf.config.experimental.get_memory_info("GPU:0")["peak"]
+    import gacli
+
     figures.update(
+        gacli_path=str(Path(gacli.__file__).parent),  # which gacli ran (ga_train_at: the commit's)
         samples_per_s=figures["samples"] / figures["wall_s"],
         cpu_ms_per_sample=1000 * figures["cpu_s"] / figures["samples"],
         # ru_maxrss (KiB on Linux) restarts with the timer's reset, and with train()'s at a job's
@@ -719,6 +743,16 @@ def evaluate_targets(runs, summary, models, jits, startup):
                             cost >= floor,
                         )
                     )
+            ratios = paired(runs, (model_key, jit), "ga_train", "ga_train_at")
+            if ratios:
+                targets.append(
+                    (
+                        f"{MODELS[model_key]['short']}, jit {'on' if jit else 'off'}: ga-train no "
+                        "slower than at --commit (ga_train / ga_train_at >= 1.00)",
+                        _ratio(ratios),
+                        _median(ratios) >= 1.0,
+                    )
+                )
     for kind, command in STARTUP_COMMANDS.items():
         walls = [s["wall_s"] for s in startup if s["kind"] == kind]
         if walls:
@@ -782,7 +816,8 @@ def markdown_report(meta, summary, targets, startup, models, jits, configs):
         f"{meta['date']}; {meta['cpu_count']} CPU cores, {meta['threads']} TF threads; "
         f"TensorFlow {meta['tensorflow']}, Keras {meta['keras']}, gacli {meta['gacli']}; "
         f"{meta['reps']} repetitions{' (quick sizes)' if meta['quick'] else ''}."
-        + _gns_every_words(meta),
+        + _gns_every_words(meta)
+        + (f" ga_train_at ran gacli at commit {meta['commit']}." if meta.get("commit") else ""),
         "",
         _method(meta) + " Cells are medians over repetitions; `x A` is the paired ratio (this "
         "configuration / A in the same repetition), median (min-max). Samples/s and CPU ms/sample "
@@ -909,7 +944,12 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, help="repetitions (default 5; 2 with --quick)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--jit", choices=["off", "on", "both"], default="both")
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=list(CONFIGS),
+        help="default: all (ga_train_at only with --commit)",
+    )
     parser.add_argument(
         "--quick", action="store_true", help="tiny models and windows: a smoke test"
     )
@@ -939,6 +979,11 @@ def parse_args(argv=None):
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--commit",
+        metavar="REV",
+        help="the commit (any git revision of this repository) whose gacli ga_train_at runs",
+    )
+    parser.add_argument(
         "--render",
         metavar="JSON",
         help="rewrite the table and chart of an earlier run from its raw JSON",
@@ -947,10 +992,14 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.reps is None:
         args.reps = 2 if args.quick else 5
+    if args.configs is None:
+        args.configs = [c for c in CONFIGS if c != "ga_train_at" or args.commit]
     if "A" not in args.configs:
         args.configs = ["A"] + args.configs  # every ratio is paired with A
     args.configs = [c for c in CONFIGS if c in args.configs]
     args.out = args.out or ("quick" if args.quick else "full")
+    if ("ga_train_at" in args.configs) != bool(args.commit) and not args.worker:
+        parser.error("ga_train_at and --commit REV go together: the commit whose ga-train it runs")
     return args
 
 
@@ -994,19 +1043,51 @@ def run_all(args):
     runs, startup = [], []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gacli-bench-") as work_dir:
-        for rep in range(1, args.reps + 1):
-            order = jobs + [{"startup": kind} for kind in STARTUP_COMMANDS]
-            random.Random(args.seed * 1000 + rep).shuffle(order)
-            run_repetition(args, rep, order, work_dir, runs, startup)
-            if rep == 1 and args.reps > 1:
-                per_rep = time.perf_counter() - started
-                print(
-                    f"one repetition took {per_rep:.0f} s; about "
-                    f"{per_rep * (args.reps - 1) / 60:.0f} min to go",
-                    flush=True,
-                )
+        if args.commit:
+            tree, meta["commit"] = checkout(args.commit, Path(work_dir) / "at_commit")
+            jobs = [
+                dict(job, gacli_tree=tree) if job["config"] == "ga_train_at" else job
+                for job in jobs
+            ]
+        try:
+            for rep in range(1, args.reps + 1):
+                order = jobs + [{"startup": kind} for kind in STARTUP_COMMANDS]
+                random.Random(args.seed * 1000 + rep).shuffle(order)
+                run_repetition(args, rep, order, work_dir, runs, startup)
+                if rep == 1 and args.reps > 1:
+                    per_rep = time.perf_counter() - started
+                    print(
+                        f"one repetition took {per_rep:.0f} s; about "
+                        f"{per_rep * (args.reps - 1) / 60:.0f} min to go",
+                        flush=True,
+                    )
+        finally:
+            if args.commit:
+                _git("worktree", "remove", "--force", tree)
     meta["total_s"] = time.perf_counter() - started
     return meta, runs, startup
+
+
+def _git(*words):
+    """Run git in this repository; its output."""
+    return subprocess.run(
+        ["git", "-C", str(HERE.parent), *words], check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def checkout(revision, path):
+    """A git worktree of this repository at ``revision``, at ``path`` (in the run's scratch
+    directory; :func:`run_all` removes it afterwards); returns (its path, the commit's short
+    hash)."""
+    commit = _git("rev-parse", "--short", f"{revision}^{{commit}}")
+    _git("worktree", "add", "--detach", str(path), commit)
+    # The wheel ships configs/ and recipes/ as gacli.configs and gacli.recipes (pyproject.toml's
+    # package-dir); the worktree, imported from its folder, finds them where the wheel has them.
+    for name in ("configs", "recipes"):
+        inside = path / "gacli" / name
+        if (path / name).is_dir() and not inside.exists():
+            inside.symlink_to(Path("..") / name)
+    return str(path), commit
 
 
 def run_repetition(args, rep, order, work_dir, runs, startup):

@@ -126,3 +126,48 @@ def test_rss_phases_prints_every_phase_of_every_configuration(tmp_path):
         # (Other threads allocate between the reads: only orderings that cannot race are checked.)
         assert 0 < start <= first and held > 0 and live > 0 and window > 0
         assert abs(freed - (held - live)) <= 1  # each cell rounded on its own
+
+
+@pytest.mark.slow
+def test_ga_train_at_an_earlier_commit_runs_that_commits_gacli(tmp_path):
+    """ga_train_at --commit REV: ga-train as the engine at REV ran it, from a git worktree made
+    for the run and forgotten after it; REV here is from before the runner had its own package
+    (gacli.cli, gacli.train), the oldest layout the benchmark reads."""
+    repository = BENCH.parents[1]
+    old = "3d13afc"
+    if subprocess.run(["git", "-C", str(repository), "cat-file", "-e", old]).returncode != 0:
+        pytest.skip(f"commit {old} is not in this clone's history (a shallow clone)")
+    command = [sys.executable, str(BENCH), "--quick", "--reps", "1", "--models", "mlp"]
+    command += ["--jit", "off", "--turns", "2", "--configs", "ga_train", "ga_train_at"]
+    command += ["--commit", old, "--results-dir", str(tmp_path), "--out", "at"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    raw = json.loads((tmp_path / "at.json").read_text())
+    assert raw["meta"]["commit"] == old
+    runs = {run["config"]: run for run in raw["runs"]}
+    assert runs["ga_train_at"]["status"] == "ok", runs["ga_train_at"].get("error")
+    assert runs["ga_train_at"]["gacli_path"].endswith("/at_commit/gacli")
+    assert not runs["ga_train"]["gacli_path"].endswith("/at_commit/gacli")
+    assert runs["ga_train_at"]["samples"] == runs["ga_train"]["samples"]
+    table = (tmp_path / "at.md").read_text()
+    assert f"ga_train_at ran gacli at commit {old}." in table
+    assert "ga-train no slower than at --commit (ga_train / ga_train_at >= 1.00)" in table
+    worktrees = subprocess.run(
+        ["git", "-C", str(repository), "worktree", "list"], capture_output=True, text=True
+    ).stdout
+    tree = str(Path(runs["ga_train_at"]["gacli_path"]).parent)
+    assert tree not in worktrees and not Path(tree).exists()
+
+
+def test_ga_train_at_needs_a_commit_and_a_commit_needs_it(tmp_path):
+    for words in (["--configs", "ga_train_at"], ["--commit", "HEAD", "--configs", "ga_train"]):
+        done = subprocess.run(
+            [sys.executable, str(BENCH), "--quick", *words],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2
+        assert "ga_train_at and --commit REV go together" in done.stderr

@@ -1079,7 +1079,14 @@ def checkout(revision, path):
     """A git worktree of this repository at ``revision``, at ``path`` (in the run's scratch
     directory; :func:`run_all` removes it afterwards); returns (its path, the commit's short
     hash)."""
-    commit = _git("rev-parse", "--short", f"{revision}^{{commit}}")
+    try:
+        commit = _git("rev-parse", "--short", f"{revision}^{{commit}}")
+    except (OSError, subprocess.CalledProcessError) as error:
+        raise SystemExit(
+            f"bench.py: --commit {revision} is not a commit of the repository at {HERE.parent} "
+            f"({(getattr(error, 'stderr', '') or str(error)).strip()}); give one git knows "
+            "there, e.g. --commit HEAD~1 or a hash from git log."
+        ) from None
     _git("worktree", "add", "--detach", str(path), commit)
     # The wheel ships configs/ and recipes/ as gacli.configs and gacli.recipes (pyproject.toml's
     # package-dir); the worktree, imported from its folder, finds them where the wheel has them.

@@ -171,3 +171,14 @@ def test_ga_train_at_needs_a_commit_and_a_commit_needs_it(tmp_path):
         )
         assert done.returncode == 2
         assert "ga_train_at and --commit REV go together" in done.stderr
+
+
+def test_ga_train_at_with_a_commit_git_does_not_know_says_so(tmp_path):
+    command = [sys.executable, str(BENCH), "--quick", "--reps", "1", "--models", "mlp"]
+    command += ["--jit", "off", "--configs", "ga_train_at", "--commit", "no-such-revision"]
+    command += ["--results-dir", str(tmp_path)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "bench.py: --commit no-such-revision is not a commit of the repository" in done.stderr
+    assert not list(tmp_path.iterdir())  # nothing run, nothing written

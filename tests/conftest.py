@@ -4,6 +4,7 @@ Every exactness test compares an accumulated run with a plain Keras run that see
 as one batch per window, starting from the same weights (``helpers.big_batch_reference``).
 """
 
+import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -13,11 +14,37 @@ import pytest  # noqa: E402
 from helpers import MEASURED, OPTIMIZERS, current_test  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_terminal_size_from_the_runner():
+    """The command lines size their tables by COLUMNS where it is set, and the tests read whole
+    lines of them: every test runs without the COLUMNS and LINES of whatever started pytest
+    (pytest-xdist's workers have 80 and 24; some shells export them). A test that wants a width
+    sets it itself."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("COLUMNS", raising=False)
+        patch.delenv("LINES", raising=False)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _name_measurements(request):
     current_test["id"] = request.node.nodeid.split("::", 1)[-1]
     yield
     current_test["id"] = None
+
+
+def pytest_sessionfinish(session):
+    # Under pytest-xdist each worker hands its measurements to the controller, which prints them.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["gacli_measured"] = json.dumps(MEASURED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    measured = json.loads(getattr(node, "workeroutput", {}).get("gacli_measured", "{}"))
+    for test_id, values in measured.items():
+        MEASURED.setdefault(test_id, []).extend(values)
 
 
 def pytest_terminal_summary(terminalreporter):

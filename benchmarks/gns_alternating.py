@@ -15,8 +15,14 @@ only slow a turn down, so the fastest is the least disturbed.
 default (``nonfinite=stop``): the cost of ``monitor.gns`` in the compiled step as ``ga-train``
 runs it (``bench.py``'s ``ga_train_gns`` times ``ga-train``'s whole process).
 
+``--per-call`` alternates single compiled calls instead of ``fit()`` turns: each round calls
+each model's train function once (one window, ``steps_per_execution=k``) on an iterator of its
+own and waits for its logs, the order swapped every round, after 20 calls of each to warm up.
+A turn is then a few tens of milliseconds, so drift in the machine's speed hits both models of
+a round alike; ``fit()``'s own start-up and callbacks are left out. ``--rounds`` counts calls.
+
     python benchmarks/gns_alternating.py [--model mlp|unet] [--rounds 30] [--windows 5]
-        [--nonfinite stop] [--out benchmarks/results/NAME.md]
+        [--nonfinite stop] [--per-call] [--out benchmarks/results/NAME.md]
 """
 
 import argparse
@@ -72,6 +78,34 @@ def timed_turns(spec, jit, rounds, windows, nonfinite=None):
     return seconds
 
 
+def timed_calls(spec, jit, rounds, nonfinite=None):
+    """{noise_scale: [seconds of each round's call]}: one compiled window per call, the two
+    models' calls interleaved."""
+    import tensorflow as tf
+    from bench import synthetic_arrays
+
+    x, y = synthetic_arrays(spec)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(spec["micro_batch_size"]).repeat()
+    models = {flag: build(spec, jit, flag, data, nonfinite) for flag in (False, True)}
+    iterators = {flag: iter(data) for flag in models}
+
+    def call(flag):
+        logs = models[flag].train_function(iterators[flag])
+        # Wait for the call: its logs as NumPy.
+        tf.nest.map_structure(lambda value: getattr(value, "numpy", lambda: value)(), logs)
+
+    for flag in models:
+        for _ in range(20):
+            call(flag)
+    seconds = {False: [], True: []}
+    for round_index in range(rounds):
+        for noise_scale in (True, False) if round_index % 2 else (False, True):
+            start = time.perf_counter()
+            call(noise_scale)
+            seconds[noise_scale].append(time.perf_counter() - start)
+    return seconds
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["mlp", "unet"], default="mlp")
@@ -81,6 +115,11 @@ def main():
         "--nonfinite",
         choices=["stop", "skip_micro_batch", "skip_window"],
         help="both models with this non-finite check (ga-train's default: stop)",
+    )
+    parser.add_argument(
+        "--per-call",
+        action="store_true",
+        help="alternate single compiled calls (one window each) instead of fit() turns",
     )
     parser.add_argument("--out", default=str(HERE / "results" / "gns_alternating.md"))
     args = parser.parse_args()
@@ -98,7 +137,8 @@ def main():
         "",
         f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}; TensorFlow "
         f"{tf.__version__}, Keras {keras.__version__}; {args.rounds} rounds of "
-        f"{args.windows} windows of {spec['micro_batch_size'] * spec['accum_steps']} per model "
+        + ("one compiled call (one window) of " if args.per_call else f"{args.windows} windows of ")
+        + f"{spec['micro_batch_size'] * spec['accum_steps']} per model "
         f"(b={spec['micro_batch_size']}, k={spec['accum_steps']}), {check}; samples/s with "
         "noise_scale=True over without: the median of the rounds' paired ratios with their "
         "range, and the ratio of each model's fastest turn.",
@@ -107,9 +147,12 @@ def main():
         "| µs a micro-batch, fastest (without, with) |",
         "|---|---:|---:|---:|---:|",
     ]
-    micro_batches = spec["accum_steps"] * args.windows
+    micro_batches = spec["accum_steps"] * (1 if args.per_call else args.windows)
     for jit in (False, True):
-        seconds = timed_turns(spec, jit, args.rounds, args.windows, args.nonfinite)
+        if args.per_call:
+            seconds = timed_calls(spec, jit, args.rounds, args.nonfinite)
+        else:
+            seconds = timed_turns(spec, jit, args.rounds, args.windows, args.nonfinite)
         ratios = [a / b for a, b in zip(seconds[False], seconds[True])]
         fastest = {flag: min(values) for flag, values in seconds.items()}
         row = (

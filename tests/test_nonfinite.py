@@ -237,6 +237,11 @@ def test_the_finiteness_test_by_the_squared_norm_keeps_finite_squares_that_overf
     def check(gradients):
         return window.all_finite(gradients, window.squared_norm(gradients))
 
+    def check_marked(gradients):
+        # Under XLA on a CPU the check reads the noise scale's marked norm (no conditional).
+        squared = window.squared_norm(gradients, marked=True)
+        return window.all_finite(gradients, squared, marked=True), squared
+
     for name, arrays in cases.items():
         expected = all(bool(np.isfinite(array).all()) for array in arrays)
         gradients = [tf.constant(array) for array in arrays]
@@ -245,6 +250,11 @@ def test_the_finiteness_test_by_the_squared_norm_keeps_finite_squares_that_overf
         for jit in (False, True):
             found = bool(tf.function(check, jit_compile=jit)(gradients))
             assert found == expected, (name, jit)
+            found, marked = tf.function(check_marked, jit_compile=jit)(gradients)
+            assert bool(found) == expected, (name, jit, "marked")
+            # The same norm where every element is finite (inf where squares overflow).
+            if expected:
+                np.testing.assert_allclose(float(marked), squared, rtol=1e-6)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager-graph", "xla"])

@@ -40,6 +40,7 @@ from gacli.engine.window import (
     Window,
     finite_by_squared_norm,
     in_xla_computation,
+    marks_non_finite,
     read_now,
     squared_norm,
     sum_of_squares,
@@ -461,8 +462,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         }
         values = list(gradients.values())
         measured = self._noise is not None and self._weighs(sample_count)
-        squared = self._shared_squared_norm(values, measured)
-        keep = self._guard.keep(values, squared) if self._guard else None
+        squared, marked = self._shared_squared_norm(values, measured)
+        keep = self._guard.keep(values, squared, marked) if self._guard else None
         if measured:
             self._observe_noise(
                 values, factor, sample_count, tf.constant(True) if keep is None else keep, squared
@@ -479,19 +480,23 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._apply_window_if(self._window.closes(), indices, micro_step=True)
 
     def _shared_squared_norm(self, gradients, measured):
-        """The squared norm of the micro-batch's ``gradients``, computed once for the two parts
-        that read it, or None where neither would: the noise scale, when it measures every
-        window (``measured``: it measures this micro-batch's), and the non-finite check without
-        XLA on a CPU, which tests it instead of every element
+        """(squared, marked): the squared norm of the micro-batch's ``gradients``, computed once
+        for the two parts that read it, or None where neither would: the noise scale, when it
+        measures every window (``measured``: it measures this micro-batch's), and the
+        non-finite check without XLA on a CPU, which tests it instead of every element
         (:func:`~gacli.engine.window.all_finite`: on the MLP of ``benchmarks/``, timed in one
         process, 1,041 µs a micro-step against 1,112 with its own test of every element, and
-        the noise scale's pass then costs the check nothing)."""
+        the noise scale's pass then costs the check nothing). ``marked``: with both under XLA
+        on a CPU, the norm counts a non-finite element as a nan, and the check reads that
+        (:func:`~gacli.engine.window.marks_non_finite`)."""
         if not gradients:
-            return None
+            return None, False
         noise = measured and self._noise.every == 1
         dense = not any(isinstance(g, tf.IndexedSlices) for g in gradients)
         check = self._guard is not None and dense and finite_by_squared_norm()
-        return squared_norm(gradients) if noise or check else None
+        marked = noise and self._guard is not None and dense and marks_non_finite()
+        squared = squared_norm(gradients, marked=marked) if noise or check else None
+        return squared, marked
 
     def _observe_noise(self, gradients, factor, sample_count, keep, squared=None):
         """Hand the noise scale |g|^2 of this micro-batch's mean-loss gradient, from what the

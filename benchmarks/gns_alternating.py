@@ -60,14 +60,20 @@ def build(spec, jit, noise_scale, data, nonfinite=None):
     return model
 
 
-def timed_turns(spec, jit, rounds, windows, nonfinite=None):
-    """{noise_scale: [seconds of each round's turn]}, the two models' turns interleaved."""
+def both_models(spec, jit, nonfinite=None):
+    """(data, {noise_scale: model}): the repeated micro-batches and both models, built and
+    warmed up."""
     import tensorflow as tf
     from bench import synthetic_arrays
 
     x, y = synthetic_arrays(spec)
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(spec["micro_batch_size"]).repeat()
-    models = {flag: build(spec, jit, flag, data, nonfinite) for flag in (False, True)}
+    return data, {flag: build(spec, jit, flag, data, nonfinite) for flag in (False, True)}
+
+
+def timed_turns(spec, jit, rounds, windows, nonfinite=None):
+    """{noise_scale: [seconds of each round's turn]}, the two models' turns interleaved."""
+    data, models = both_models(spec, jit, nonfinite)
     steps = spec["accum_steps"] * windows
     seconds = {False: [], True: []}
     for round_index in range(rounds):
@@ -82,11 +88,8 @@ def timed_calls(spec, jit, rounds, nonfinite=None):
     """{noise_scale: [seconds of each round's call]}: one compiled window per call, the two
     models' calls interleaved."""
     import tensorflow as tf
-    from bench import synthetic_arrays
 
-    x, y = synthetic_arrays(spec)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(spec["micro_batch_size"]).repeat()
-    models = {flag: build(spec, jit, flag, data, nonfinite) for flag in (False, True)}
+    data, models = both_models(spec, jit, nonfinite)
     iterators = {flag: iter(data) for flag in models}
 
     def call(flag):

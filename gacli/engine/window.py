@@ -121,7 +121,7 @@ def marks_non_finite():
     (:func:`squared_norm`'s ``marked``): under XLA on a CPU. There the check's test then costs a
     select fused into the norm's pass, with no conditional: on the MLP of ``benchmarks/``, timed
     call by call (``gns_alternating.py --per-call``), the noise scale's cost in the compiled
-    window with the check fell from 2.6% to none (1.003x). Without XLA the squared norm is
+    window with the check fell from 2.3-2.6% to none (1.015x). Without XLA the squared norm is
     TensorFlow's own kernel, which a select would precede with a copy (see
     :func:`finite_by_squared_norm`)."""
     return _compiled_by_xla_on_cpu()
@@ -141,10 +141,9 @@ def all_finite(gradients, squared=None, marked=False):
     element finite. Only where it is not finite are the elements tested one by one, for it is
     also inf when finite elements' squares overflow float32 (a norm above 1.8e19), and those
     are kept. On a CPU only: a GPU's own reductions are fast, and its conditional waits for
-    the predicate on the host. Under XLA too, where the noise scale computes ``squared`` anyway:
-    on the MLP of ``benchmarks/``, ``ga-train`` with the noise scale ran 0.983x as fast as
-    without it sharing the norm, against 0.955x with a pass of its own for the check (taking
-    turns, 4 repetitions); the conditional copies no gradient there.
+    the predicate on the host. Under XLA the engine takes this way only for a micro-batch with
+    a sparse gradient (the conditional copies no gradient there); a dense one's check reads the
+    marked norm instead.
 
     ``marked``: ``squared`` is :func:`squared_norm`'s marked norm, nan exactly when an element
     is not finite: the answer is that it is not nan, with no conditional and no other pass."""

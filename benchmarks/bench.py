@@ -374,32 +374,9 @@ def run_ga_train(spec, timer_window, job_dir):
             found["params"] = self.model.count_params()
 
     train.ProgressCallback = TimedProgress
-    model_overrides = [f"model={spec['model']['name']}"] + [
-        f"model.{key}={json.dumps(value).replace(' ', '')}"
-        for key, value in spec["model"].items()
-        if key != "name"
-    ]
-    overrides = model_overrides + [
-        "dataset=npz",
-        f"dataset.path={data_path}",
-        "dataset.validation_split=0",
-        "dataset.shuffle=false",
-        f"dataset.num_classes={spec['num_outputs']}",
-        "optimizer=sgd",
-        f"optimizer.learning_rate={LEARNING_RATE}",
-        f"micro_batch_size={micro}",
-        f"accum_steps={k}",
-        "epochs=1",
-        f"steps_per_epoch={(warmup_steps + measure_steps) // k}",
-        f"jit_compile={str(spec['jit']).lower()}",
-        "progress=none",
-        "checkpoint=false",
-        f"seed={spec['seed']}",
-        f"hydra.run.dir={os.path.join(job_dir, 'run')}",
-    ]
-    if spec["config"] == "ga_train_gns":
-        overrides.append("monitor.gns=true")
-        overrides.append(f"monitor.gns_every={gns_every()}")
+    overrides = ga_train_overrides(
+        spec, data_path, (warmup_steps + measure_steps) // k, spec["config"] == "ga_train_gns"
+    ) + [f"hydra.run.dir={os.path.join(job_dir, 'run')}"]
     rss_before_fit = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     status = cli.main(overrides)
     if status:
@@ -417,6 +394,37 @@ def run_ga_train(spec, timer_window, job_dir):
         rss_before_fit_bytes=rss_before_fit,
         overrides=overrides,
     )
+
+
+def ga_train_overrides(spec, data_path, updates, gns):
+    """ga-train's overrides for the job of ``spec`` on the arrays saved at ``data_path``: one
+    epoch of ``updates`` updates, no checkpoints, no progress display; ``gns``: monitor.gns on
+    (every ``GACLI_BENCH_GNS_EVERY``-th window)."""
+    model = [f"model={spec['model']['name']}"] + [
+        f"model.{key}={json.dumps(value).replace(' ', '')}"
+        for key, value in spec["model"].items()
+        if key != "name"
+    ]
+    overrides = model + [
+        "dataset=npz",
+        f"dataset.path={data_path}",
+        "dataset.validation_split=0",
+        "dataset.shuffle=false",
+        f"dataset.num_classes={spec['num_outputs']}",
+        "optimizer=sgd",
+        f"optimizer.learning_rate={LEARNING_RATE}",
+        f"micro_batch_size={spec['micro_batch_size']}",
+        f"accum_steps={spec['accum_steps']}",
+        "epochs=1",
+        f"steps_per_epoch={updates}",
+        f"jit_compile={str(spec['jit']).lower()}",
+        "progress=none",
+        "checkpoint=false",
+        f"seed={spec['seed']}",
+    ]
+    if gns:
+        overrides += ["monitor.gns=true", f"monitor.gns_every={gns_every()}"]
+    return overrides
 
 
 def ga_train_modules():

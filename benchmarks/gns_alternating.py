@@ -21,8 +21,15 @@ own and waits for its logs, the order swapped every round, after 20 calls of eac
 A turn is then a few tens of milliseconds, so drift in the machine's speed hits both models of
 a round alike; ``fit()``'s own start-up and callbacks are left out. ``--rounds`` counts calls.
 
+``--ga-train`` times what ``ga-train`` does for each update, without its process: its own two
+jobs (``monitor.gns`` off and on, its default ``nonfinite=stop``) are made by its own steps up to
+``fit()`` (``gacli.runner.train.Run``: model, engine, data stream, callbacks), and each round
+runs one compiled call (one window) of each, followed by the callbacks ``fit()`` runs after a
+call (the counters taken from the call's logs, the TensorBoard logger's point), in alternation.
+Between it and ``bench.py``'s ``ga_train_gns`` lies only what differs from process to process.
+
     python benchmarks/gns_alternating.py [--model mlp|unet] [--rounds 30] [--windows 5]
-        [--nonfinite stop] [--per-call] [--out benchmarks/results/NAME.md]
+        [--nonfinite stop] [--per-call | --ga-train] [--out benchmarks/results/NAME.md]
 """
 
 import argparse
@@ -109,6 +116,139 @@ def timed_calls(spec, jit, rounds, nonfinite=None):
     return seconds
 
 
+def ga_train_runs(spec, jit, windows, directory):
+    """{monitor.gns: gacli.runner.train.Run}: ga-train's own two jobs on bench.py's arrays,
+    made by its own steps up to fit() (the model, engine and callbacks as ga-train builds
+    them), with a stream of ``windows`` windows each."""
+    import numpy as np
+    from bench import ga_train_overrides, synthetic_arrays
+    from hydra import compose, initialize_config_module
+
+    from gacli.runner.config import register_configs
+    from gacli.runner.runstate import micro_batch_stream
+    from gacli.runner.train import Run
+
+    x, y = synthetic_arrays(spec)
+    data_path = str(Path(directory) / "data.npz")
+    np.savez(data_path, x=x, y=y)
+    register_configs()
+    runs = {}
+    for gns in (False, True):
+        overrides = ga_train_overrides(dict(spec, jit=jit), data_path, windows, gns)
+        with initialize_config_module("gacli.configs", version_base="1.3"):
+            cfg = compose("train", overrides=overrides)
+        run = Run(cfg, str(Path(directory) / f"run_gns_{gns}"))
+        run.check_run_dir()
+        run.plan_batch()
+        run.load_data()
+        run.settle_plan()
+        run.build()
+        run.make_callbacks()
+        run.stream = micro_batch_stream(
+            run.data.train,
+            run.plan.global_micro_batch_size,
+            run.steps.micro_batches,
+            start=0,
+            count=windows * spec["accum_steps"],
+            order=run.order,
+        )
+        runs[gns] = run
+    return runs
+
+
+def timed_updates(spec, jit, rounds):
+    """{monitor.gns: [seconds of each round's update]}: ga-train's two jobs, each round one
+    compiled call (one window) of each and then the callbacks fit() runs after it, in
+    alternation; and {monitor.gns: [seconds of those callbacks]}."""
+    import tempfile
+
+    import keras
+
+    from gacli.engine.accumulate_model import CountersFromLogs
+
+    warm = 20
+    with tempfile.TemporaryDirectory() as directory:
+        runs = ga_train_runs(spec, jit, rounds + warm, directory)
+        steps, callbacks, iterators = {}, {}, {}
+        for gns, run in runs.items():
+            model = run.job.model
+            model.make_train_function()
+            # fit()'s list as the model wrapper's fit() makes it for ga-train.
+            listed = [CountersFromLogs(model.optimizer), *run.callbacks.in_order]
+            callbacks[gns] = keras.callbacks.CallbackList(
+                listed, model=model, epochs=1, steps=run.steps.fit_steps
+            )
+            callbacks[gns].on_train_begin()
+            callbacks[gns].on_epoch_begin(0)
+            iterators[gns] = iter(run.stream)
+            steps[gns] = 0
+        seconds = {False: [], True: []}
+        in_callbacks = {False: [], True: []}
+
+        def update(gns):
+            model, listed = runs[gns].job.model, callbacks[gns]
+            start = time.perf_counter()
+            listed.on_train_batch_begin(steps[gns])
+            logs = model.train_function(iterators[gns])
+            steps[gns] += spec["accum_steps"]
+            called = time.perf_counter()
+            listed.on_train_batch_end(steps[gns] - 1, logs)
+            end = time.perf_counter()
+            return end - start, end - called
+
+        for gns in runs:
+            for _ in range(warm):
+                update(gns)
+        for round_index in range(rounds):
+            for gns in (True, False) if round_index % 2 else (False, True):
+                total, after = update(gns)
+                seconds[gns].append(total)
+                in_callbacks[gns].append(after)
+        for run in runs.values():
+            run.close()
+    return seconds, in_callbacks
+
+
+def ga_train_report(spec, rounds, out):
+    """--ga-train: the table of ga-train's per-update cost of monitor.gns, without and with
+    XLA, printed and written to ``out``."""
+    import keras
+    import tensorflow as tf
+
+    update = spec["micro_batch_size"] * spec["accum_steps"]
+    lines = [
+        f"# The cost of monitor.gns in ga-train's updates on the {spec['title']}, "
+        "by alternation in one process",
+        "",
+        f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}; TensorFlow "
+        f"{tf.__version__}, Keras {keras.__version__}; ga-train's own two jobs (monitor.gns off "
+        "and on; nonfinite=stop, its default), built by its own steps; "
+        f"{rounds} rounds of one update of {update} (b={spec['micro_batch_size']}, "
+        f"k={spec['accum_steps']}) per job: one compiled call, then the callbacks fit() runs "
+        "after it (the TensorBoard logger's point included). Samples/s with monitor.gns over "
+        "without: the median of the rounds' paired ratios with their range, and the ratio of "
+        "each job's fastest update; the callbacks' median time an update.",
+        "",
+        "| jit | median of rounds | min-max | fastest updates "
+        "| callbacks µs an update, median (without, with) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for jit in (False, True):
+        seconds, in_callbacks = timed_updates(spec, jit, rounds)
+        ratios = [a / b for a, b in zip(seconds[False], seconds[True])]
+        row = (
+            f"| {'on' if jit else 'off'} | {statistics.median(ratios):.3f}x | "
+            f"{min(ratios):.2f}-{max(ratios):.2f} | "
+            f"{min(seconds[False]) / min(seconds[True]):.3f}x | "
+            f"{statistics.median(in_callbacks[False]) * 1e6:,.0f}, "
+            f"{statistics.median(in_callbacks[True]) * 1e6:,.0f} |"
+        )
+        print(row)
+        lines.append(row)
+    Path(out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["mlp", "unet"], default="mlp")
@@ -124,8 +264,16 @@ def main():
         action="store_true",
         help="alternate single compiled calls (one window each) instead of fit() turns",
     )
+    parser.add_argument(
+        "--ga-train",
+        action="store_true",
+        help="ga-train's own two jobs (monitor.gns off, on), one update each in turn, with the "
+        "callbacks fit() runs after it",
+    )
     parser.add_argument("--out", default=str(HERE / "results" / "gns_alternating.md"))
     args = parser.parse_args()
+    if args.ga_train and (args.per_call or args.nonfinite):
+        parser.error("--ga-train runs ga-train's jobs as they are: one call a turn, nonfinite=stop")
     import keras
     import tensorflow as tf
     from bench import MODELS
@@ -134,6 +282,9 @@ def main():
     # The same TensorFlow thread pools as bench.py's workers.
     tf.config.threading.set_intra_op_parallelism_threads(2)
     tf.config.threading.set_inter_op_parallelism_threads(2)
+    if args.ga_train:
+        ga_train_report(spec, args.rounds, args.out)
+        return
     check = f"nonfinite={args.nonfinite}" if args.nonfinite else "no non-finite check"
     lines = [
         f"# The noise scale's cost on the {spec['title']}, by alternation in one process",

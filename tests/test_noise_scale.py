@@ -152,3 +152,39 @@ def test_measured_every_third_window_the_estimates_are_those_windows():
     assert summary["grad_sq"] == pytest.approx(grad_sq, rel=1e-5)
     assert summary["trace_cov"] == pytest.approx(trace, rel=1e-5)
     assert summary["noise_scale"] == pytest.approx(trace / grad_sq, rel=1e-5)
+
+
+def test_the_reading_is_float32_arithmetic_on_the_state():
+    """The logger's reading of the state vector, worked in Python floats, gives the numbers
+    float32 arithmetic gives (TensorFlow's, in NumPy here): on random states over float32's
+    whole range and on every combination of zeros, infinities, nan and the extremes."""
+    import itertools
+    import math
+
+    import numpy as np
+
+    from gacli.engine.window import NoiseScale
+
+    def in_float32(state):
+        with np.errstate(all="ignore"):
+            weight = np.maximum(state[4], np.float32(1e-12))
+            grad_sq, trace = state[2] / weight, state[3] / weight
+            scale = trace / grad_sq if grad_sq != 0 else np.float32(0.0)
+        return [float(v) for v in (grad_sq, trace, scale, state[0], state[1])] + [int(state[5])]
+
+    rng = np.random.default_rng(0)
+    states = [
+        np.append(rng.normal(size=5) * 10.0 ** rng.integers(-45, 39, size=5), 7).astype("float32")
+        for _ in range(5000)
+    ]
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-45, 1e-12, 1e-13, 1.5]
+    states += [
+        np.array([1, 2, g, t, w, 4], "float32") for g, t, w in itertools.product(special, repeat=3)
+    ]
+    noise = NoiseScale(0.9)
+    for state in states:
+        for got, want in zip(noise.reading(state), in_float32(state)):
+            assert type(got) is type(want)
+            assert (math.isnan(got) and math.isnan(want)) or (
+                got == want and math.copysign(1, got) == math.copysign(1, want)
+            ), (state, got, want)

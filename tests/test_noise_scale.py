@@ -156,8 +156,9 @@ def test_measured_every_third_window_the_estimates_are_those_windows():
 
 def test_the_reading_is_float32_arithmetic_on_the_state():
     """The logger's reading of the state vector, worked in Python floats, gives the numbers
-    float32 arithmetic gives (TensorFlow's, in NumPy here): on random states over float32's
-    whole range and on every combination of zeros, infinities, nan and the extremes."""
+    NumPy's float32 arithmetic gives: on random states over float32's whole range and on every
+    combination of signed zeros, infinities, nan, the largest and smallest float32 numbers and
+    weights about the 1e-12 floor."""
     import itertools
     import math
 
@@ -173,11 +174,16 @@ def test_the_reading_is_float32_arithmetic_on_the_state():
         return [float(v) for v in (grad_sq, trace, scale, state[0], state[1])] + [int(state[5])]
 
     rng = np.random.default_rng(0)
-    states = [
-        np.append(rng.normal(size=5) * 10.0 ** rng.integers(-45, 39, size=5), 7).astype("float32")
-        for _ in range(5000)
-    ]
-    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-45, 1e-12, 1e-13, 1.5]
+    with np.errstate(over="ignore"):  # beyond float32's range: an infinity
+        states = [
+            np.append(rng.normal(size=5) * 10.0 ** rng.integers(-45, 39, size=5), 7).astype(
+                "float32"
+            )
+            for _ in range(5000)
+        ]
+    largest = float(np.finfo(np.float32).max)
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, largest, -largest, 1e-45, -1e-45]
+    special += [1e-12, 1e-13, 1.5]
     states += [
         np.array([1, 2, g, t, w, 4], "float32") for g, t, w in itertools.product(special, repeat=3)
     ]

@@ -236,11 +236,16 @@ def _scatter_add(variable, rows):
 _AT_LEAST_WEIGHT = float(np.float32(1e-12))
 
 
+# IEEE binary32 with the standard size: packing rounds to nearest and refuses a number beyond
+# float32's range (the native "f" returns an infinity there on some Python versions only).
+_BINARY32 = struct.Struct("<f")
+
+
 def _float32(number):
     """A Python float rounded to float32 as a float32 operation rounds its result (beyond
     float32's range: an infinity, as there)."""
     try:
-        return struct.unpack("f", struct.pack("f", number))[0]
+        return _BINARY32.unpack(_BINARY32.pack(number))[0]
     except OverflowError:
         return math.copysign(math.inf, number)
 
@@ -653,8 +658,9 @@ class NoiseScale:
         The same numbers as float32 arithmetic gives (a quotient of two float32 numbers worked
         in float64 and rounded to float32 is the float32 quotient), in plain Python: the logger
         reads it after every update, right after a compiled call, while TensorFlow's worker
-        threads still hold the cores, and there its NumPy form took 55 us an update (5 us
-        when timed alone)."""
+        threads still hold the cores, and there its NumPy form took 55 us an update (timed
+        inside the updates of ``benchmarks/gns_alternating.py --ga-train``; 5 us timed
+        alone)."""
         if state is None:
             state = _value(self.state)
         values = np.asarray(state, dtype=np.float32).tolist()

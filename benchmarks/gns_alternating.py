@@ -26,7 +26,8 @@ jobs (``monitor.gns`` off and on, its default ``nonfinite=stop``) are made by it
 ``fit()`` (``gacli.runner.train.Run``: model, engine, data stream, callbacks), and each round
 runs one compiled call (one window) of each, followed by the callbacks ``fit()`` runs after a
 call (the counters taken from the call's logs, the TensorBoard logger's point), in alternation.
-Between it and ``bench.py``'s ``ga_train_gns`` lies only what differs from process to process.
+Between it and ``bench.py``'s ``ga_train_gns`` lie ``fit()``'s own loop, turns of ten updates
+instead of one, and the two processes (their memory, their threads).
 
     python benchmarks/gns_alternating.py [--model mlp|unet] [--rounds 30] [--windows 5]
         [--nonfinite stop] [--per-call | --ga-train] [--out benchmarks/results/NAME.md]
@@ -196,16 +197,18 @@ def timed_updates(spec, jit, rounds):
             end = time.perf_counter()
             return end - start, end - called
 
-        for gns in runs:
-            for _ in range(warm):
-                update(gns)
-        for round_index in range(rounds):
-            for gns in (True, False) if round_index % 2 else (False, True):
-                total, after = update(gns)
-                seconds[gns].append(total)
-                in_callbacks[gns].append(after)
-        for run in runs.values():
-            run.close()
+        try:
+            for gns in runs:
+                for _ in range(warm):
+                    update(gns)
+            for round_index in range(rounds):
+                for gns in (True, False) if round_index % 2 else (False, True):
+                    total, after = update(gns)
+                    seconds[gns].append(total)
+                    in_callbacks[gns].append(after)
+        finally:
+            for run in runs.values():
+                run.close()
     return seconds, in_callbacks
 
 
@@ -270,9 +273,13 @@ def main():
         help="ga-train's own two jobs (monitor.gns off, on), one update each in turn, with the "
         "callbacks fit() runs after it",
     )
-    parser.add_argument("--out", default=str(HERE / "results" / "gns_alternating.md"))
+    parser.add_argument(
+        "--out",
+        help="default: benchmarks/results/gns_alternating.md (--ga-train: "
+        "gns_alternating_ga_train.md)",
+    )
     args = parser.parse_args()
-    if args.ga_train and (args.per_call or args.nonfinite):
+    if args.ga_train and (args.per_call or args.nonfinite not in (None, "stop")):
         parser.error("--ga-train runs ga-train's jobs as they are: one call a turn, nonfinite=stop")
     import keras
     import tensorflow as tf
@@ -282,6 +289,9 @@ def main():
     # The same TensorFlow thread pools as bench.py's workers.
     tf.config.threading.set_intra_op_parallelism_threads(2)
     tf.config.threading.set_inter_op_parallelism_threads(2)
+    if args.out is None:
+        name = "gns_alternating_ga_train.md" if args.ga_train else "gns_alternating.md"
+        args.out = str(HERE / "results" / name)
     if args.ga_train:
         ga_train_report(spec, args.rounds, args.out)
         return

@@ -79,17 +79,30 @@ def both_models(spec, jit, nonfinite=None):
     return data, {flag: build(spec, jit, flag, data, nonfinite) for flag in (False, True)}
 
 
+def alternate(turn, rounds, warm=0):
+    """{flag: [what ``turn(flag)`` returned each round]}: ``warm`` turns of each flag first
+    (not kept), then ``rounds`` rounds of one turn each, the order swapped every round."""
+    for flag in (False, True):
+        for _ in range(warm):
+            turn(flag)
+    kept = {False: [], True: []}
+    for round_index in range(rounds):
+        for flag in (True, False) if round_index % 2 else (False, True):
+            kept[flag].append(turn(flag))
+    return kept
+
+
 def timed_turns(spec, jit, rounds, windows, nonfinite=None):
     """{noise_scale: [seconds of each round's turn]}, the two models' turns interleaved."""
     data, models = both_models(spec, jit, nonfinite)
     steps = spec["accum_steps"] * windows
-    seconds = {False: [], True: []}
-    for round_index in range(rounds):
-        for noise_scale in (True, False) if round_index % 2 else (False, True):
-            start = time.perf_counter()
-            models[noise_scale].fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
-            seconds[noise_scale].append(time.perf_counter() - start)
-    return seconds
+
+    def turn(noise_scale):
+        start = time.perf_counter()
+        models[noise_scale].fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
+        return time.perf_counter() - start
+
+    return alternate(turn, rounds)
 
 
 def timed_calls(spec, jit, rounds, nonfinite=None):
@@ -101,20 +114,13 @@ def timed_calls(spec, jit, rounds, nonfinite=None):
     iterators = {flag: iter(data) for flag in models}
 
     def call(flag):
+        start = time.perf_counter()
         logs = models[flag].train_function(iterators[flag])
         # Wait for the call: its logs as NumPy.
         tf.nest.map_structure(lambda value: getattr(value, "numpy", lambda: value)(), logs)
+        return time.perf_counter() - start
 
-    for flag in models:
-        for _ in range(20):
-            call(flag)
-    seconds = {False: [], True: []}
-    for round_index in range(rounds):
-        for noise_scale in (True, False) if round_index % 2 else (False, True):
-            start = time.perf_counter()
-            call(noise_scale)
-            seconds[noise_scale].append(time.perf_counter() - start)
-    return seconds
+    return alternate(call, rounds, warm=20)
 
 
 def ga_train_runs(spec, jit, windows, directory):
@@ -183,8 +189,6 @@ def timed_updates(spec, jit, rounds):
             callbacks[gns].on_epoch_begin(0)
             iterators[gns] = iter(run.stream)
             steps[gns] = 0
-        seconds = {False: [], True: []}
-        in_callbacks = {False: [], True: []}
 
         def update(gns):
             model, listed = runs[gns].job.model, callbacks[gns]
@@ -198,17 +202,12 @@ def timed_updates(spec, jit, rounds):
             return end - start, end - called
 
         try:
-            for gns in runs:
-                for _ in range(warm):
-                    update(gns)
-            for round_index in range(rounds):
-                for gns in (True, False) if round_index % 2 else (False, True):
-                    total, after = update(gns)
-                    seconds[gns].append(total)
-                    in_callbacks[gns].append(after)
+            timed = alternate(update, rounds, warm=warm)
         finally:
             for run in runs.values():
                 run.close()
+    seconds = {gns: [total for total, _ in pairs] for gns, pairs in timed.items()}
+    in_callbacks = {gns: [after for _, after in pairs] for gns, pairs in timed.items()}
     return seconds, in_callbacks
 
 

@@ -124,7 +124,8 @@ def marks_non_finite():
     (:func:`squared_norm`'s ``marked``): under XLA on a CPU. There the check's test then costs a
     select fused into the norm's pass, with no conditional: on the MLP of ``benchmarks/``, timed
     call by call (``gns_alternating.py --per-call``), the noise scale's cost in the compiled
-    window with the check fell from 2.3-2.6% to none (1.015x). Without XLA the squared norm is
+    window with the check fell from 2.3-2.6% to none or about 1% (1.015x and 0.992x in two runs,
+    whose spread is about 2%). Without XLA the squared norm is
     TensorFlow's own kernel, which a select would precede with a copy (see
     :func:`finite_by_squared_norm`)."""
     return _compiled_by_xla_on_cpu()

@@ -44,7 +44,6 @@ from gacli.engine.window import (
     read_now,
     squared_norm,
     sum_of_squares,
-    times_squared,
 )
 
 __all__ = [
@@ -465,9 +464,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         squared, marked = self._shared_squared_norm(values, measured)
         keep = self._guard.keep(values, squared, marked) if self._guard else None
         if measured:
-            self._observe_noise(
-                values, factor, sample_count, tf.constant(True) if keep is None else keep, squared
-            )
+            self._observe_noise(values, factor, sample_count, keep, squared)
         self._window.add(gradients, factor, keep)
         kept = self._guard.record(keep) if self._guard else tf.constant(1.0)
         self._window.count(sample_count if self._weighs(sample_count) else None, kept)
@@ -505,9 +502,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         ``squared``: the squared norm of ``gradients``, where already computed."""
 
         def observe():
-            to_mean = 1.0 / tf.cast(sample_count, "float32")
-            norm = times_squared(squared_norm(gradients) if squared is None else squared, factor)
-            self._noise.observe(norm * tf.square(to_mean), sample_count, keep)
+            norm = squared_norm(gradients) if squared is None else squared
+            self._noise.observe(norm, sample_count, keep, factor)
 
         self._if_noise_measured(observe)
 
@@ -610,10 +606,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             getattr(inner, name, None) for name in ("clipnorm", "global_clipnorm", "clipvalue")
         )
 
-    def _window_gradients(self, indices, denominator, by_rows=False):
+    def _window_gradients(self, indices, denominator, by_rows=False, measure_noise=False):
         """(gradients, variables, rows): the window's gradients for the variables at
         ``indices``, and the rows of sparse accumulators they were taken from (see
-        ``Window.gradients``; ``by_rows`` asks for that form where it can be used)."""
+        ``Window.gradients``; ``by_rows`` asks for that form where it can be used).
+        ``measure_noise``: hand the noise scale their squared norm before any clipping, |G_B|^2
+        from the tensors the update reads (under XLA a second read of the accumulators, which
+        the update then zeroes, made XLA copy them)."""
         variables = [compat.built_variables(self)[index] for index in indices]
         # Touched rows only on one device, without XLA, and unclipped by AGC (which reads
         # whole tensors): the window's own gradient in a form that needs no table-sized copy.
@@ -624,6 +623,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             and not in_xla_computation()
         )
         grads, rows = self._window.gradients(indices, variables, denominator, by_rows)
+        if measure_noise and self._noise is not None:
+            self._if_noise_measured(lambda: self._update_noise(indices, denominator, grads))
         if self.use_agc:
             from gacli.engine.clipping import adaptive_clip_gradients
 
@@ -639,21 +640,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         replicas and clipping, the window's gradient is reduced and clipped here, in
         cross-replica context, and handed to every replica."""
         denominator = self._window.denominator(replicas)
-        if self._noise is not None:
-
-            def measure():
-                # |G_B|^2 of the whole window: under several replicas, reading the accumulators
-                # here sums them, one all-reduce more per measured window.
-                squared = tf.add_n(
-                    [sum_of_squares(_summed(self._window.accumulators[i])) for i in indices]
-                ) / tf.square(denominator)
-                self._noise.update(
-                    squared,
-                    _summed(self._window.window_weight),
-                    _summed(self._window.window_unweighted),
-                )
-
-            self._if_noise_measured(measure)
+        # Without a strategy the update's own gradients give |G_B|^2 (_window_gradients).
+        if self._noise is not None and tf.distribute.has_strategy():
+            # Read here, in cross-replica context, the accumulators come summed over replicas:
+            # one all-reduce more per measured window.
+            self._if_noise_measured(lambda: self._update_noise(indices, denominator))
         if replicas == 1 or not self._clips():
             in_each_replica(self._apply_window, indices, denominator)
             return
@@ -665,10 +656,28 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         with compat.without_own_clipping(self.inner_optimizer):
             in_each_replica(self._apply_share, indices, [g / replicas for g in grads])
 
+    def _update_noise(self, indices, denominator, grads=None):
+        """The noise scale's estimate from the window being applied: |G_B|^2 of its gradient
+        (for the variables at ``indices``, normalised by ``denominator``), from ``grads`` where
+        they are that gradient as accumulated (not rounded to a narrower variable dtype), else
+        from the accumulators."""
+        if grads is not None and all(g.dtype == self._window.dtype for g in grads):
+            squared = squared_norm(grads)
+        else:
+            accumulated = [_summed(self._window.accumulators[i]) for i in indices]
+            squared = tf.add_n([sum_of_squares(a) for a in accumulated]) / tf.square(denominator)
+        self._noise.update(
+            squared,
+            _summed(self._window.window_weight),
+            _summed(self._window.window_unweighted),
+        )
+
     def _apply_window(self, indices, denominator):
         """In replica context: this replica's part of the window's gradient, applied (the
         inner optimizer sums the parts over replicas)."""
-        grads, variables, rows = self._window_gradients(indices, denominator, by_rows=True)
+        grads, variables, rows = self._window_gradients(
+            indices, denominator, by_rows=True, measure_noise=not tf.distribute.has_strategy()
+        )
         self.inner_optimizer.apply(grads, variables)
         self._after_update(rows)
 

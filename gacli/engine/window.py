@@ -567,6 +567,17 @@ def noise_from_two_sizes(mean_sq, mean_inverse, big_sq, big_count):
     return grad_sq, trace
 
 
+def _moving_weights(decay):
+    """(keep, move): the noise scale's state vector after a measured window is ``state * keep +
+    move * [raw |G|^2, raw tr(Sigma), raw |G|^2, raw tr(Sigma), 1, 1]``: the raw pair replaced,
+    their averages and the averages' weight moved by ``decay``, the windows counted; the same
+    products and sums as working each part apart (a nan or an infinity in the state stays, as
+    it would in the averages)."""
+    keep = tf.constant([0.0, 0.0, decay, decay, decay, 1.0])
+    move = tf.constant([1.0, 1.0, 1.0 - decay, 1.0 - decay, 1.0 - decay, 1.0])
+    return keep, move
+
+
 class NoiseScale:
     """The gradient noise scale, measured from the micro-batches at the cost of one squared norm
     per micro-batch (McCandlish, Kaplan, Amodei et al., "An Empirical Model of Large-Batch
@@ -621,34 +632,44 @@ class NoiseScale:
         # (exact in float32 up to 2**24).
         self.state = add_state("gns_state", shape=(6,))
 
-    def observe(self, squared_norm, sample_count, kept):
-        """One micro-batch on this replica: ``squared_norm`` is ``|g_i|^2`` of its mean-loss
-        gradient, ``kept`` a boolean tensor (False: left out)."""
+    def observe(self, squared_norm, sample_count, kept=None, factor=None):
+        """One micro-batch on this replica: ``squared_norm`` is the squared norm of its
+        gradients as the window adds them divided by ``factor`` (None: 1), so that ``factor /
+        sample_count`` takes them to its mean loss's gradient; ``kept`` a boolean tensor (False:
+        left out; None: kept). Scalar ops once a micro-step, as few as can be: without XLA each
+        costs the graph's executor a microsecond or two, more than its arithmetic."""
         count = tf.cast(sample_count, "float32")
-        kept = tf.logical_and(kept, count > 0)
-        terms = tf.stack([squared_norm, 1.0, 1.0 / tf.maximum(count, 1.0)])
-        self.small.assign_add(tf.where(kept, terms, tf.zeros([3])))
+        at_least_one = tf.maximum(count, 1.0)
+        inverse = 1.0 / at_least_one
+        # factor / b_i, exactly 1 where the window adds the summed loss's gradient (factor b_i).
+        to_mean = inverse if factor is None else tf.cast(factor, "float32") / at_least_one
+        terms = tf.stack([squared_norm * tf.square(to_mean), 1.0, inverse])
+        counted = count > 0
+        if kept is not None:
+            counted = tf.logical_and(kept, counted)
+        self.small.assign_add(tf.where(counted, terms, tf.zeros([3])))
 
     def update(self, big_squared_norm, big_count, unweighted):
-        """In cross-replica context, as a window is applied: ``big_squared_norm`` is
-        ``|G_B|^2`` of its gradient, ``big_count`` its samples over all replicas, ``unweighted``
-        the micro-batches in it that gave no count."""
+        """As a window is applied (in cross-replica context under a strategy):
+        ``big_squared_norm`` is ``|G_B|^2`` of its gradient, ``big_count`` its samples over all
+        replicas, ``unweighted`` the micro-batches in it that gave no count. Written in few
+        ops, as :meth:`observe` is."""
+        # [mean |g_i|^2, 1, mean 1/b_i] over the micro-batches (all zeros where none counted).
         small = _value(self.small)
-        count = small[self._COUNT]
-        mean_sq = small[self._SQ] / tf.maximum(count, 1.0)
-        mean_inverse = small[self._INVERSE] / tf.maximum(count, 1.0)
-        spread = mean_inverse - 1.0 / tf.maximum(big_count, 1.0)
-        # Two sizes are needed: a window of one micro-batch on one replica says nothing.
-        valid = (count > 0) & (big_count > 0) & (unweighted == 0) & (spread > 1e-9 * mean_inverse)
-        # Where not valid the estimates may divide by zero; they are not used there.
-        grad_sq, trace = noise_from_two_sizes(
-            mean_sq, mean_inverse, big_squared_norm, tf.maximum(big_count, 1.0)
-        )
-        decay = self.decay
+        means = small / tf.maximum(small[self._COUNT], 1.0)
+        mean_sq, mean_inverse = means[self._SQ], means[self._INVERSE]
+        big_count = tf.maximum(big_count, 1.0)
+        grad_sq, trace = noise_from_two_sizes(mean_sq, mean_inverse, big_squared_norm, big_count)
+        # Two sizes are needed: a window of one micro-batch on one replica says nothing. The
+        # spread h - 1/B is positive only where micro-batches were counted (else h = 0) and the
+        # window holds samples (else h - 1 <= 0, as every b_i >= 1).
+        spread = mean_inverse - 1.0 / big_count
+        valid = tf.logical_and(tf.equal(unweighted, 0.0), spread > 1e-9 * mean_inverse)
+        # Raw estimates; averages of both and of 1 (their weight), moved by ``decay``; one
+        # more window. Where not valid the estimates may divide by zero; they are not kept.
+        keep, move = _moving_weights(self.decay)
         state = _value(self.state)
-        averages = state[self._GRAD_SQ : self._WINDOWS]  # |G|^2, tr(Sigma), their weight
-        moved = decay * averages + (1.0 - decay) * tf.stack([grad_sq, trace, 1.0])
-        new = tf.concat([tf.stack([grad_sq, trace]), moved, state[self._WINDOWS :] + 1.0], 0)
+        new = state * keep + move * tf.stack([grad_sq, trace, grad_sq, trace, 1.0, 1.0])
         self.state.assign(tf.where(valid, new, state))
 
     def reading(self, state=None):

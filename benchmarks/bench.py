@@ -30,6 +30,8 @@ and two references outside the targets, to show where the time goes:
     ga_train_at      ga_train as gacli at an earlier commit ran it (--commit REV, checked out
                      in a git worktree for the run): its paired ratio to ga_train says whether
                      today's engine is as fast as that one, in the same minutes of the machine
+    ga_train_gns_at  ga_train_gns as gacli at --commit ran it: its paired ratio to ga_train_gns
+                     says whether today's noise scale costs less than that commit's
 
 Writes results/<name>.md (medians, paired ratios, targets), results/<name>.json (every raw number)
 and results/<name>.png (paired ratio vs A per configuration).
@@ -67,9 +69,13 @@ CONFIGS = {
     "gacli_model_gns": "gacli wrap_model, noise_scale=True",
     "ga_train_gns": "ga-train, monitor.gns=true",
     "ga_train_at": "ga-train at --commit",
+    "ga_train_gns_at": "ga-train, monitor.gns=true, at --commit",
 }
 # The configurations that run the ga-train command line.
-GA_TRAIN_CONFIGS = ("ga_train", "ga_train_gns", "ga_train_at")
+GA_TRAIN_CONFIGS = ("ga_train", "ga_train_gns", "ga_train_at", "ga_train_gns_at")
+# The configurations that run gacli at --commit, and those that measure the noise scale.
+AT_COMMIT_CONFIGS = ("ga_train_at", "ga_train_gns_at")
+GNS_CONFIGS = ("ga_train_gns", "ga_train_gns_at")
 # The ways gacli is meant to be run: the targets are checked on these.
 GACLI_CONFIGS = ("gacli_model", "gacli_optimizer", "ga_train")
 # Configurations that run k micro-batches per compiled call.
@@ -375,7 +381,7 @@ def run_ga_train(spec, timer_window, job_dir):
 
     train.ProgressCallback = TimedProgress
     overrides = ga_train_overrides(
-        spec, data_path, (warmup_steps + measure_steps) // k, spec["config"] == "ga_train_gns"
+        spec, data_path, (warmup_steps + measure_steps) // k, spec["config"] in GNS_CONFIGS
     ) + [f"hydra.run.dir={os.path.join(job_dir, 'run')}"]
     rss_before_fit = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     status = cli.main(overrides)
@@ -751,16 +757,20 @@ def evaluate_targets(runs, summary, models, jits, startup):
                             cost >= floor,
                         )
                     )
-            ratios = paired(runs, (model_key, jit), "ga_train", "ga_train_at")
-            if ratios:
-                targets.append(
-                    (
-                        f"{MODELS[model_key]['short']}, jit {'on' if jit else 'off'}: ga-train no "
-                        "slower than at --commit (ga_train / ga_train_at >= 1.00)",
-                        _ratio(ratios),
-                        _median(ratios) >= 1.0,
+            for today, then, what in (
+                ("ga_train", "ga_train_at", "ga-train"),
+                ("ga_train_gns", "ga_train_gns_at", "ga-train with monitor.gns"),
+            ):
+                ratios = paired(runs, (model_key, jit), today, then)
+                if ratios:
+                    targets.append(
+                        (
+                            f"{MODELS[model_key]['short']}, jit {'on' if jit else 'off'}: {what} "
+                            f"no slower than at --commit ({today} / {then} >= 1.00)",
+                            _ratio(ratios),
+                            _median(ratios) >= 1.0,
+                        )
                     )
-                )
     for kind, command in STARTUP_COMMANDS.items():
         walls = [s["wall_s"] for s in startup if s["kind"] == kind]
         if walls:
@@ -825,7 +835,11 @@ def markdown_report(meta, summary, targets, startup, models, jits, configs):
         f"TensorFlow {meta['tensorflow']}, Keras {meta['keras']}, gacli {meta['gacli']}; "
         f"{meta['reps']} repetitions{' (quick sizes)' if meta['quick'] else ''}."
         + _gns_every_words(meta)
-        + (f" ga_train_at ran gacli at commit {meta['commit']}." if meta.get("commit") else ""),
+        + (
+            f" ga_train_at and ga_train_gns_at ran gacli at commit {meta['commit']}."
+            if meta.get("commit")
+            else ""
+        ),
         "",
         _method(meta) + " Cells are medians over repetitions; `x A` is the paired ratio (this "
         "configuration / A in the same repetition), median (min-max). Samples/s and CPU ms/sample "
@@ -956,7 +970,7 @@ def parse_args(argv=None):
         "--configs",
         nargs="+",
         choices=list(CONFIGS),
-        help="default: all (ga_train_at only with --commit)",
+        help="default: all (ga_train_at and ga_train_gns_at only with --commit)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="tiny models and windows: a smoke test"
@@ -989,7 +1003,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--commit",
         metavar="REV",
-        help="the commit (any git revision of this repository) whose gacli ga_train_at runs",
+        help="the commit (any git revision of this repository) whose gacli ga_train_at and "
+        "ga_train_gns_at run",
     )
     parser.add_argument(
         "--render",
@@ -1001,13 +1016,17 @@ def parse_args(argv=None):
     if args.reps is None:
         args.reps = 2 if args.quick else 5
     if args.configs is None:
-        args.configs = [c for c in CONFIGS if c != "ga_train_at" or args.commit]
+        args.configs = [c for c in CONFIGS if c not in AT_COMMIT_CONFIGS or args.commit]
     if "A" not in args.configs:
         args.configs = ["A"] + args.configs  # every ratio is paired with A
     args.configs = [c for c in CONFIGS if c in args.configs]
     args.out = args.out or ("quick" if args.quick else "full")
-    if ("ga_train_at" in args.configs) != bool(args.commit) and not args.worker:
-        parser.error("ga_train_at and --commit REV go together: the commit whose ga-train it runs")
+    at_commit = any(c in AT_COMMIT_CONFIGS for c in args.configs)
+    if at_commit != bool(args.commit) and not args.worker:
+        parser.error(
+            "ga_train_at or ga_train_gns_at and --commit REV go together: the commit whose "
+            "ga-train they run"
+        )
     return args
 
 
@@ -1054,7 +1073,7 @@ def run_all(args):
         if args.commit:
             tree, meta["commit"] = checkout(args.commit, Path(work_dir) / "at_commit")
             jobs = [
-                dict(job, gacli_tree=tree) if job["config"] == "ga_train_at" else job
+                dict(job, gacli_tree=tree) if job["config"] in AT_COMMIT_CONFIGS else job
                 for job in jobs
             ]
         try:

@@ -128,6 +128,20 @@ def test_rss_phases_prints_every_phase_of_every_configuration(tmp_path):
         assert abs(freed - (held - live)) <= 1  # each cell rounded on its own
 
 
+def _run_at_commit(tmp_path, old, configs):
+    """(raw results, table) of bench.py --quick running ``configs`` once, with --commit ``old``
+    (skipped where the clone lacks it: a shallow clone)."""
+    repository = BENCH.parents[1]
+    if subprocess.run(["git", "-C", str(repository), "cat-file", "-e", old]).returncode != 0:
+        pytest.skip(f"commit {old} is not in this clone's history (a shallow clone)")
+    command = [sys.executable, str(BENCH), "--quick", "--reps", "1", "--models", "mlp"]
+    command += ["--jit", "off", "--turns", "2", "--configs", *configs]
+    command += ["--commit", old, "--results-dir", str(tmp_path), "--out", "at"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((tmp_path / "at.json").read_text()), (tmp_path / "at.md").read_text()
+
+
 @pytest.mark.slow
 def test_ga_train_at_an_earlier_commit_runs_that_commits_gacli(tmp_path):
     """ga_train_at --commit REV: ga-train as the engine at REV ran it, from a git worktree made
@@ -135,29 +149,36 @@ def test_ga_train_at_an_earlier_commit_runs_that_commits_gacli(tmp_path):
     (gacli.cli, gacli.train), the oldest layout the benchmark reads."""
     repository = BENCH.parents[1]
     old = "3d13afc"
-    if subprocess.run(["git", "-C", str(repository), "cat-file", "-e", old]).returncode != 0:
-        pytest.skip(f"commit {old} is not in this clone's history (a shallow clone)")
-    command = [sys.executable, str(BENCH), "--quick", "--reps", "1", "--models", "mlp"]
-    command += ["--jit", "off", "--turns", "2", "--configs", "ga_train", "ga_train_at"]
-    command += ["--commit", old, "--results-dir", str(tmp_path), "--out", "at"]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-
-    raw = json.loads((tmp_path / "at.json").read_text())
+    raw, table = _run_at_commit(tmp_path, old, ["ga_train", "ga_train_at"])
     assert raw["meta"]["commit"] == old
     runs = {run["config"]: run for run in raw["runs"]}
     assert runs["ga_train_at"]["status"] == "ok", runs["ga_train_at"].get("error")
     assert runs["ga_train_at"]["gacli_path"].endswith("/at_commit/gacli")
     assert not runs["ga_train"]["gacli_path"].endswith("/at_commit/gacli")
     assert runs["ga_train_at"]["samples"] == runs["ga_train"]["samples"]
-    table = (tmp_path / "at.md").read_text()
-    assert f"ga_train_at ran gacli at commit {old}." in table
+    assert f"ga_train_at and ga_train_gns_at ran gacli at commit {old}." in table
     assert "ga-train no slower than at --commit (ga_train / ga_train_at >= 1.00)" in table
     worktrees = subprocess.run(
         ["git", "-C", str(repository), "worktree", "list"], capture_output=True, text=True
     ).stdout
     tree = str(Path(runs["ga_train_at"]["gacli_path"]).parent)
     assert tree not in worktrees and not Path(tree).exists()
+
+
+@pytest.mark.slow
+def test_ga_train_gns_at_an_earlier_commit_measures_the_noise_scale_there(tmp_path):
+    """ga_train_gns_at --commit REV: ga-train with monitor.gns as the engine at REV ran it,
+    paired with today's ga_train_gns in the table's targets."""
+    old = "33dc632"  # the noise scale's engine before |G_B|^2 came from the update's gradient
+    raw, table = _run_at_commit(tmp_path, old, ["ga_train_gns", "ga_train_gns_at"])
+    runs = {run["config"]: run for run in raw["runs"]}
+    assert runs["ga_train_gns_at"]["status"] == "ok", runs["ga_train_gns_at"].get("error")
+    assert runs["ga_train_gns_at"]["gacli_path"].endswith("/at_commit/gacli")
+    assert not runs["ga_train_gns"]["gacli_path"].endswith("/at_commit/gacli")
+    assert (
+        "ga-train with monitor.gns no slower than at --commit "
+        "(ga_train_gns / ga_train_gns_at >= 1.00)"
+    ) in table
 
 
 def test_ga_train_at_needs_a_commit_and_a_commit_needs_it(tmp_path):

@@ -182,7 +182,11 @@ def test_ga_train_gns_at_an_earlier_commit_measures_the_noise_scale_there(tmp_pa
 
 
 def test_ga_train_at_needs_a_commit_and_a_commit_needs_it(tmp_path):
-    for words in (["--configs", "ga_train_at"], ["--commit", "HEAD", "--configs", "ga_train"]):
+    for words in (
+        ["--configs", "ga_train_at"],
+        ["--configs", "ga_train_gns_at"],
+        ["--commit", "HEAD", "--configs", "ga_train"],
+    ):
         done = subprocess.run(
             [sys.executable, str(BENCH), "--quick", *words],
             cwd=tmp_path,
@@ -191,7 +195,7 @@ def test_ga_train_at_needs_a_commit_and_a_commit_needs_it(tmp_path):
             timeout=60,
         )
         assert done.returncode == 2
-        assert "ga_train_at and --commit REV go together" in done.stderr
+        assert "ga_train_at or ga_train_gns_at and --commit REV go together" in done.stderr
 
 
 def test_ga_train_at_with_a_commit_git_does_not_know_says_so(tmp_path):

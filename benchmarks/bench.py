@@ -27,6 +27,9 @@ and two references outside the targets, to show where the time goes:
     ga_train_gns     ga_train with monitor.gns=true: its paired ratio to ga_train is the cost of
                      monitor.gns where ga-train runs it (its non-finite check on;
                      GACLI_BENCH_GNS_EVERY=n: every n-th window measured instead)
+    ga_train_again   ga_train in a second process: its paired ratio to ga_train is the method's
+                     own spread for ga-train, and beside it the report gives ga_train_gns against
+                     both ga-train processes (the geometric mean of the two)
     ga_train_at      ga_train as gacli at an earlier commit ran it (--commit REV, checked out
                      in a git worktree for the run): its paired ratio to ga_train says whether
                      today's engine is as fast as that one, in the same minutes of the machine
@@ -68,11 +71,12 @@ CONFIGS = {
     "gacli_model_1": "gacli wrap_model, steps_per_execution=1",
     "gacli_model_gns": "gacli wrap_model, noise_scale=True",
     "ga_train_gns": "ga-train, monitor.gns=true",
+    "ga_train_again": "ga-train again, in another process",
     "ga_train_at": "ga-train at --commit",
     "ga_train_gns_at": "ga-train, monitor.gns=true, at --commit",
 }
 # The configurations that run the ga-train command line.
-GA_TRAIN_CONFIGS = ("ga_train", "ga_train_gns", "ga_train_at", "ga_train_gns_at")
+GA_TRAIN_CONFIGS = ("ga_train", "ga_train_gns", "ga_train_again", "ga_train_at", "ga_train_gns_at")
 # The configurations that run gacli at --commit, and those that measure the noise scale.
 AT_COMMIT_CONFIGS = ("ga_train_at", "ga_train_gns_at")
 GNS_CONFIGS = ("ga_train_gns", "ga_train_gns_at")
@@ -1167,6 +1171,78 @@ def run_repetition(args, rep, order, work_dir, runs, startup):
                 print(f"{prefix} {what}: failed: {result['error']}", flush=True)
 
 
+def control_report(runs, models, jits):
+    """Where ga_train_again ran: the noise scale's cost beside the method's own spread, as lines
+    of the report (none otherwise). ga_train and ga_train_again are the same configuration in two
+    processes; their paired ratio is what two identical processes differ by, and ga_train_gns
+    over the geometric mean of the two is its cost against a baseline of both."""
+    lines = []
+    for model_key in models:
+        for jit in jits:
+            key = (model_key, jit)
+            spread = paired(runs, key, "ga_train_again", "ga_train")
+            if not spread:
+                continue
+            cost = paired(runs, key, "ga_train_gns", "ga_train")
+            again = paired(runs, key, "ga_train_gns", "ga_train_again")
+            both = [
+                gns / (first * second) ** 0.5
+                for gns, first, second in zip(
+                    *(
+                        [r["samples_per_s"] for r in runs_of]
+                        for runs_of in _same_repetitions(
+                            runs, key, ("ga_train_gns", "ga_train", "ga_train_again")
+                        )
+                    )
+                )
+            ]
+            title = f"{MODELS[model_key]['short']}, jit_compile={jit}"
+            rows = (
+                ("ga_train_again / ga_train (the method's spread)", spread, 1.0),
+                ("ga_train_gns / ga_train", cost, 0.97),
+                ("ga_train_gns / ga_train_again", again, 0.97),
+                ("ga_train_gns / both (geometric mean)", both, 0.97),
+            )
+            lines += [
+                f"| {title}: {name} | {_fine_ratio(r)} | {len(r)} | {_share(r, floor)} |"
+                for name, r, floor in rows
+            ]
+    if not lines:
+        return []
+    return [
+        "",
+        "## The noise scale's cost against two ga-train processes",
+        "",
+        "ga_train and ga_train_again are the same configuration in two processes of each "
+        "repetition: their ratio is what the method alone makes of no difference.",
+        "",
+        "| paired ratio | median (min-max) | repetitions | at or above |",
+        "|---|---|---:|---|",
+        *lines,
+    ]
+
+
+def _same_repetitions(runs, key, configs):
+    """For each of ``configs``, its ok runs at ``key`` (model, jit) in the repetitions where
+    all of them ran, in the same order of repetitions."""
+    found = {}
+    for run in runs:
+        if run["status"] == "ok" and (run["model_key"], run["jit"]) == key:
+            found.setdefault(run["rep"], {})[run["config"]] = run
+    reps = [rep for rep in sorted(found) if all(c in found[rep] for c in configs)]
+    return [[found[rep][config] for rep in reps] for config in configs]
+
+
+def _fine_ratio(ratios):
+    """Median (min-max) to three decimals: the noise scale's cost is a few thousandths."""
+    return f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})"
+
+
+def _share(ratios, floor):
+    """'n of m >= floor'."""
+    return f"{sum(r >= floor for r in ratios)} of {len(ratios)} >= {floor:.2f}"
+
+
 def write_reports(meta, runs, startup, results_dir):
     """<name>.md, <name>.json and <name>.png under ``results_dir``; prints the table."""
     models = list(meta["models"])
@@ -1175,6 +1251,9 @@ def write_reports(meta, runs, startup, results_dir):
     summary = summarise(runs, models, jits, configs)
     targets = evaluate_targets(runs, summary, models, jits, startup)
     report = markdown_report(meta, summary, targets, startup, models, jits, configs)
+    control = control_report(runs, models, jits)
+    if control:
+        report += "\n".join(control) + "\n"
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     base = results_dir / meta["name"]

@@ -207,3 +207,43 @@ def test_ga_train_at_with_a_commit_git_does_not_know_says_so(tmp_path):
     assert "Traceback" not in done.stderr
     assert "bench.py: --commit no-such-revision is not a commit of the repository" in done.stderr
     assert not list(tmp_path.iterdir())  # nothing run, nothing written
+
+
+def test_the_noise_scales_cost_is_set_beside_two_ga_train_processes():
+    """ga_train_again (ga_train in a second process): the report gives the method's own spread
+    (ga_train_again / ga_train) and ga_train_gns against each ga-train process and against both
+    (their geometric mean), repetition by repetition; the arithmetic is checked here by hand."""
+    sys.path.insert(0, str(BENCH.parent))
+    import bench
+
+    speeds = {  # repetition: (ga_train, ga_train_again, ga_train_gns) samples/s
+        1: (100.0, 104.0, 98.0),
+        2: (110.0, 99.0, 101.0),
+        3: (90.0, 90.0, 89.0),
+    }
+    runs = [
+        dict(rep=rep, model_key="mlp", jit=True, config=config, status="ok", samples_per_s=speed)
+        for rep, row in speeds.items()
+        for config, speed in zip(("ga_train", "ga_train_again", "ga_train_gns"), row)
+    ]
+    runs.append(  # a failed repetition pairs with nothing
+        dict(rep=4, model_key="mlp", jit=True, config="ga_train_gns", status="failed")
+    )
+    lines = "\n".join(bench.control_report(runs, ["mlp"], [True]))
+    spread = sorted(again / first for first, again, _ in speeds.values())
+    both = sorted(gns / (first * again) ** 0.5 for first, again, gns in speeds.values())
+    assert (
+        f"| MLP, jit_compile=True: ga_train_again / ga_train (the method's spread) "
+        f"| {spread[1]:.3f}x ({spread[0]:.3f}-{spread[2]:.3f}) | 3 | 2 of 3 >= 1.00 |"
+    ) in lines
+    assert (
+        f"| MLP, jit_compile=True: ga_train_gns / both (geometric mean) "
+        f"| {both[1]:.3f}x ({both[0]:.3f}-{both[2]:.3f}) | 3 | "
+        f"{sum(b >= 0.97 for b in both)} of 3 >= 0.97 |"
+    ) in lines
+    assert "| MLP, jit_compile=True: ga_train_gns / ga_train | 0.980x (0.918-0.989) | 3 |" in lines
+    # Without ga_train_again there is no such section.
+    assert (
+        bench.control_report([r for r in runs if r["config"] != "ga_train_again"], ["mlp"], [True])
+        == []
+    )

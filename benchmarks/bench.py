@@ -16,7 +16,7 @@ Configurations, all on the same model, data pipeline, loss, metrics and SGD opti
                      steps_per_execution=k
     ga_train         the ga-train command line (gacli.runner.cli.main) on the same arrays
                      (dataset=npz); it runs a window per call by default (steps_per_execution=k)
-and two references outside the targets, to show where the time goes:
+and references outside the targets, to show where the time goes:
     A_spe            A with steps_per_execution=k: plain Keras with the same calls
     A_again          A in a second process: its paired ratio to A is the method's own spread
     gacli_model_1    gacli_model with one micro-batch a call (Keras' default)
@@ -1185,16 +1185,20 @@ def control_report(runs, models, jits):
                 continue
             cost = paired(runs, key, "ga_train_gns", "ga_train")
             again = paired(runs, key, "ga_train_gns", "ga_train_again")
+            speeds = {
+                config: {
+                    r["rep"]: r["samples_per_s"]
+                    for r in runs
+                    if r["status"] == "ok"
+                    and (r["model_key"], r["jit"], r["config"]) == key + (config,)
+                }
+                for config in ("ga_train_gns", "ga_train", "ga_train_again")
+            }
+            first, second = speeds["ga_train"], speeds["ga_train_again"]
             both = [
-                gns / (first * second) ** 0.5
-                for gns, first, second in zip(
-                    *(
-                        [r["samples_per_s"] for r in runs_of]
-                        for runs_of in _same_repetitions(
-                            runs, key, ("ga_train_gns", "ga_train", "ga_train_again")
-                        )
-                    )
-                )
+                gns / (first[rep] * second[rep]) ** 0.5
+                for rep, gns in sorted(speeds["ga_train_gns"].items())
+                if rep in first and rep in second
             ]
             title = f"{MODELS[model_key]['short']}, jit_compile={jit}"
             rows = (
@@ -1220,17 +1224,6 @@ def control_report(runs, models, jits):
         "|---|---|---:|---|",
         *lines,
     ]
-
-
-def _same_repetitions(runs, key, configs):
-    """For each of ``configs``, its ok runs at ``key`` (model, jit) in the repetitions where
-    all of them ran, in the same order of repetitions."""
-    found = {}
-    for run in runs:
-        if run["status"] == "ok" and (run["model_key"], run["jit"]) == key:
-            found.setdefault(run["rep"], {})[run["config"]] = run
-    reps = [rep for rep in sorted(found) if all(c in found[rep] for c in configs)]
-    return [[found[rep][config] for rep in reps] for config in configs]
 
 
 def _fine_ratio(ratios):

@@ -15,6 +15,7 @@ from gacli.engine import _keras_compat as compat
 from gacli.engine.accumulation import (
     _LOSS_SCALE_OPTIMIZER,
     COUNTERS_LOG_KEY,
+    NOISE_STATE_LOG_KEY,
     GradientAccumulateOptimizer,
     StopOnNonFinite,
     find_accumulating_optimizer,
@@ -117,12 +118,16 @@ class CountersFromLogs(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._optimizer.forget_counters()
-        if logs:
-            logs.pop(COUNTERS_LOG_KEY, None)  # the epoch's logs are its last call's
+        _drop_counters(logs)  # the epoch's logs are its last call's
 
     def on_train_end(self, logs=None):
+        _drop_counters(logs)
+
+
+def _drop_counters(logs):
+    for key in (COUNTERS_LOG_KEY, NOISE_STATE_LOG_KEY):
         if logs:
-            logs.pop(COUNTERS_LOG_KEY, None)
+            logs.pop(key, None)
 
 
 def accumulation_callbacks(optimizer, callbacks=()):
@@ -323,7 +328,7 @@ class AccumulationMixin(compat.KerasWorkarounds):
         if accumulator.loss_scaling:
             logs["loss_scale"] = tf.convert_to_tensor(accumulator.loss_scale)
         if self._counters_logged():
-            logs[COUNTERS_LOG_KEY] = accumulator.counters_tensor()
+            logs.update(accumulator.counters_logs())
         return logs
 
     def fit(

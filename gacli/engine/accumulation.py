@@ -162,7 +162,9 @@ def _optimizer_settings(config, kwargs, mixed_precision, **given):
 # update).
 COUNTERS_LOG_KEY = "gacli_counters"
 AFTER_CALL = ("optimizer_step", "micro_step", "window_micro_steps", "halted_at", "learning_rate")
-# With the noise scale on, its state vector follows them in the logs, kept under this name.
+# With the noise scale on, its state vector rides beside them in the logs, under the first name,
+# and is kept with the counters under the second.
+NOISE_STATE_LOG_KEY = "gacli_noise_state"
 NOISE_STATE = "noise_state"
 
 
@@ -610,9 +612,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """(gradients, variables, rows): the window's gradients for the variables at
         ``indices``, and the rows of sparse accumulators they were taken from (see
         ``Window.gradients``; ``by_rows`` asks for that form where it can be used).
-        ``measure_noise``: hand the noise scale their squared norm before any clipping, |G_B|^2
-        from the tensors the update reads instead of a second read of the accumulators (timed,
-        no faster or slower in ga-train; a sparse table's from its held rows only)."""
+        ``measure_noise``: hand the noise scale |G_B|^2, their squared norm before any clipping.
+        Without XLA from the tensors the update reads (a sparse table's from its held rows only;
+        from the accumulators, a second read, it timed no faster or slower in ga-train). Under
+        XLA from the accumulators: read by the update too, the window's gradient then stays
+        fused into the update's pass, where a norm of it made XLA write it out first (on the MLP
+        of ``benchmarks/``, in a profile of ga-train's updates, that write took 0.2 ms an
+        update, about a third of the noise scale's cost there)."""
         variables = [compat.built_variables(self)[index] for index in indices]
         # Touched rows only on one device, without XLA, and unclipped by AGC (which reads
         # whole tensors): the window's own gradient in a form that needs no table-sized copy.
@@ -624,7 +630,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         )
         grads, rows = self._window.gradients(indices, variables, denominator, by_rows)
         if measure_noise and self._noise is not None:
-            self._if_noise_measured(lambda: self._update_noise(indices, denominator, grads))
+            given = None if in_xla_computation() else grads
+            self._if_noise_measured(lambda: self._update_noise(indices, denominator, given))
         if self.use_agc:
             from gacli.engine.clipping import adaptive_clip_gradients
 
@@ -827,15 +834,20 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     # -- the counters as a compiled call left them ------------------------------------------------
     _after_call = None
 
-    def counters_tensor(self):
-        """In the step function: the counters of :data:`AFTER_CALL` as one float64 vector (exact
-        below 2**53), which a model wrapper's step can return in its logs."""
+    def counters_logs(self):
+        """In the step function: what a model wrapper's step returns in its logs for
+        :meth:`take_counters`: the counters of :data:`AFTER_CALL` as one float64 vector (exact
+        below 2**53) under :data:`COUNTERS_LOG_KEY`, and with the noise scale on its state
+        vector, as it is (one read), under :data:`NOISE_STATE_LOG_KEY`. Apart, not concatenated:
+        these ops run outside XLA in every micro-step of a compiled call, where a cast and a
+        concat more took about 40 us an update of the MLP of ``benchmarks/`` under XLA (in a
+        profile of ga-train's updates), before the graph executor's own cost for each op."""
         values = [self._counter(name) for name in AFTER_CALL]
         counters = tf.stack([tf.cast(tf.convert_to_tensor(value), "float64") for value in values])
-        if self._noise is None:
-            return counters
-        # The noise scale's state follows (float32 values, exact in float64).
-        return tf.concat([counters, tf.cast(self._noise.state, "float64")], axis=0)
+        logs = {COUNTERS_LOG_KEY: counters}
+        if self._noise is not None:
+            logs[NOISE_STATE_LOG_KEY] = tf.convert_to_tensor(self._noise.state)
+        return logs
 
     def _counter(self, name):
         """The variable (or, for a schedule's learning rate, the value) behind counter ``name``;
@@ -846,14 +858,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def take_counters(self, logs):
         """Keep the counters a compiled call returned in ``logs`` (under
-        :data:`COUNTERS_LOG_KEY`, which is removed) until :meth:`forget_counters`."""
+        :data:`COUNTERS_LOG_KEY` and :data:`NOISE_STATE_LOG_KEY`, which are removed) until
+        :meth:`forget_counters`."""
         counters = logs.pop(COUNTERS_LOG_KEY, None) if logs else None
+        state = logs.pop(NOISE_STATE_LOG_KEY, None) if logs else None
         if counters is not None:
             # NumPy where Keras turns the logs into Python numbers first, else a tensor.
-            values = np.asarray(counters, np.float64)
-            counters = dict(zip(AFTER_CALL, values[: len(AFTER_CALL)].tolist()))
-            if values.size > len(AFTER_CALL):
-                counters[NOISE_STATE] = values[len(AFTER_CALL) :].astype(np.float32)
+            counters = dict(zip(AFTER_CALL, np.asarray(counters, np.float64).tolist()))
+            if state is not None:
+                counters[NOISE_STATE] = np.asarray(state, np.float32)
         # Past Keras' attribute tracking, which took 0.19 ms an assignment.
         object.__setattr__(self, "_after_call", counters)
 

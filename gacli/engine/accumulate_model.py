@@ -125,9 +125,9 @@ class CountersFromLogs(keras.callbacks.Callback):
 
 
 def _drop_counters(logs):
+    """Take what a compiled call returned for :class:`CountersFromLogs` out of ``logs``."""
     for key in (COUNTERS_LOG_KEY, NOISE_STATE_LOG_KEY):
-        if logs:
-            logs.pop(key, None)
+        (logs or {}).pop(key, None)
 
 
 def accumulation_callbacks(optimizer, callbacks=()):

@@ -612,13 +612,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """(gradients, variables, rows): the window's gradients for the variables at
         ``indices``, and the rows of sparse accumulators they were taken from (see
         ``Window.gradients``; ``by_rows`` asks for that form where it can be used).
-        ``measure_noise``: hand the noise scale |G_B|^2, their squared norm before any clipping.
-        Without XLA from the tensors the update reads (a sparse table's from its held rows only;
-        from the accumulators, a second read, it timed no faster or slower in ga-train). Under
-        XLA from the accumulators: read by the update too, the window's gradient then stays
-        fused into the update's pass, where a norm of it made XLA write it out first (on the MLP
-        of ``benchmarks/``, in a profile of ga-train's updates, that write took 0.2 ms an
-        update, about a third of the noise scale's cost there)."""
+        ``measure_noise``: hand the noise scale |G_B|^2, their squared norm before any clipping
+        (:meth:`_update_noise` says from what)."""
         variables = [compat.built_variables(self)[index] for index in indices]
         # Touched rows only on one device, without XLA, and unclipped by AGC (which reads
         # whole tensors): the window's own gradient in a form that needs no table-sized copy.
@@ -630,8 +625,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         )
         grads, rows = self._window.gradients(indices, variables, denominator, by_rows)
         if measure_noise and self._noise is not None:
-            given = None if in_xla_computation() else grads
-            self._if_noise_measured(lambda: self._update_noise(indices, denominator, given))
+            self._if_noise_measured(lambda: self._update_noise(indices, denominator, grads))
         if self.use_agc:
             from gacli.engine.clipping import adaptive_clip_gradients
 
@@ -667,8 +661,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         """The noise scale's estimate from the window being applied: |G_B|^2 of its gradient
         (for the variables at ``indices``, normalised by ``denominator``), from ``grads`` where
         they are that gradient as accumulated (not rounded to a narrower variable dtype), else
-        from the accumulators."""
-        if grads is not None and all(g.dtype == self._window.dtype for g in grads):
+        from the accumulators.
+
+        Without XLA ``grads`` serve where given: a sparse table's norm then comes from its held
+        rows only (from the accumulators, a second read, it timed no faster or slower in
+        ga-train). Under XLA the accumulators always: the update reads them too, so the window's
+        gradient stays fused into the update's pass, where a norm of ``grads`` made XLA write
+        them out first (on the MLP of ``benchmarks/``, in a profile of ga-train's updates, that
+        write took 0.2 ms an update, about a third of the noise scale's cost there)."""
+        from_grads = grads is not None and not in_xla_computation()
+        if from_grads and all(g.dtype == self._window.dtype for g in grads):
             squared = squared_norm(grads)
         else:
             accumulated = [_summed(self._window.accumulators[i]) for i in indices]

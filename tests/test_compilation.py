@@ -1,7 +1,9 @@
 """Contract rows X1 and X2: XLA and steps_per_execution, with the decision inside the graph."""
 
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 import gacli
 from helpers import (
@@ -61,3 +63,31 @@ def test_x2_one_trace_serves_accumulate_and_apply_steps(jit_compile):
     assert TraceCountingModel.traces == 1
     assert int(model.micro_step.numpy()) == 16
     assert int(model.optimizer_step.numpy()) == 4
+
+
+def test_x1_under_xla_the_accumulators_are_zero_after_each_update():
+    """Under jit_compile the model wrapper compiles the window's update as an XLA computation
+    of its own and zeroes the accumulators after it, in the graph (XLA copied them when it
+    zeroed them itself): after whole windows every accumulator is zero, and one micro-batch
+    later (a window kept open over the end of fit) it holds that micro-batch's gradient, not
+    the last window's plus it."""
+    x, y = make_data(MICRO * (K + 1))
+    inputs, outputs = mlp_layers()
+    model = gacli.GradientAccumulateModel(
+        accum_steps=K, partial_window="carry", inputs=inputs, outputs=outputs
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    model.fit(x[: MICRO * K], y[: MICRO * K], batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+    accumulator = gacli.find_accumulating_optimizer(model.optimizer)
+    assert accumulator.update_compiled_apart
+    assert int(accumulator.optimizer_step.numpy()) == 1
+    assert all(not a.numpy().any() for a in accumulator._window.accumulators)
+    with accumulator.fit_continues():
+        model.fit(x[MICRO * K :], y[MICRO * K :], batch_size=MICRO, shuffle=False, verbose=0)
+    with tf.GradientTape() as tape:
+        predictions = model(x[MICRO * K :], training=True)
+        loss = tf.reduce_mean(keras.losses.mean_squared_error(y[MICRO * K :], predictions))
+    grads = tape.gradient(loss, model.trainable_variables)
+    # The window holds the micro-batch's gradient times its sample count (normalised later).
+    for accumulated, grad in zip(accumulator._window.accumulators, grads):
+        np.testing.assert_allclose(accumulated.numpy(), MICRO * grad.numpy(), rtol=1e-5, atol=1e-7)

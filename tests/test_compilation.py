@@ -67,10 +67,9 @@ def test_x2_one_trace_serves_accumulate_and_apply_steps(jit_compile):
 
 def test_x1_under_xla_the_accumulators_are_zero_after_each_update():
     """Under jit_compile the model wrapper compiles the window's update as an XLA computation
-    of its own and zeroes the accumulators after it, in the graph (XLA copied them when it
-    zeroed them itself): after whole windows every accumulator is zero, and one micro-batch
-    later (a window kept open over the end of fit) it holds that micro-batch's gradient, not
-    the last window's plus it."""
+    of its own, which zeroes the accumulators it has just read: after whole windows every
+    accumulator is zero, and one micro-batch later (a window kept open over the end of fit)
+    it holds that micro-batch's gradient, not the last window's plus it."""
     x, y = make_data(MICRO * (K + 1))
     inputs, outputs = mlp_layers()
     model = gacli.GradientAccumulateModel(

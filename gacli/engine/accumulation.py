@@ -593,36 +593,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )
             apply_now = tf.logical_and(apply_now, tf.logical_and(healthy, self._guard.running()))
 
-        def apply(zero_accumulators=True):
-            self._apply_in_replicas(in_each_replica, indices, replicas, zero_accumulators)
+        def apply():
+            self._apply_in_replicas(in_each_replica, indices, replicas)
 
         if self.update_compiled_apart and replicas == 1:
-            apply = self._compiled_apart(apply)
+            # Its own XLA computation, reached from a graph (not XLA) conditional: see
+            # update_compiled_apart.
+            apply = tf.function(apply, jit_compile=True)
         tf.cond(apply_now, apply, lambda: None)
-
-    def _compiled_apart(self, apply):
-        """``apply`` (the window's update) as an XLA computation of its own, reached from a
-        graph (not XLA) conditional (see ``update_compiled_apart``), and the accumulators zeroed
-        after it, in the graph.
-
-        Zeroed inside the computation, each accumulator is a buffer it both reads and writes:
-        XLA copied it in (the value the update reads) and copied a broadcast of zeros out (its
-        dump of the MLP's update in ``benchmarks/``: a ``copy`` of each accumulator before the
-        update, and of a zeros ``broadcast`` after it), three passes over each accumulator where
-        the graph's assignment of zeros makes one. ``docs/performance.md`` has what it cost."""
-
-        def window_update():
-            apply(zero_accumulators=False)
-
-        compiled = tf.function(window_update, jit_compile=True)
-
-        def apply_then_zero():
-            compiled()
-            # After the computation: the graph orders each assignment after the computation's
-            # reads of the same variable.
-            self._window.zero_accumulators()
-
-        return apply_then_zero
 
     def _clips(self):
         inner = self.inner_optimizer
@@ -656,13 +634,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             )
         return grads, variables, rows
 
-    def _apply_in_replicas(self, in_each_replica, indices, replicas, zero_accumulators=True):
+    def _apply_in_replicas(self, in_each_replica, indices, replicas):
         """Apply the window, normalised by its samples over all replicas (D3). Clipping (AGC,
         clipnorm, global_clipnorm, clipvalue) must see the gradient summed over replicas, but
         Keras' optimizers clip each replica's part before their all-reduce: with several
         replicas and clipping, the window's gradient is reduced and clipped here, in
-        cross-replica context, and handed to every replica. ``zero_accumulators``: False where
-        the caller zeroes them after (:meth:`_compiled_apart`, on one replica)."""
+        cross-replica context, and handed to every replica."""
         denominator = self._window.denominator(replicas)
         # Without a strategy the update's own gradients give |G_B|^2 (_window_gradients).
         if self._noise is not None and tf.distribute.has_strategy():
@@ -670,7 +647,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             # one all-reduce more per measured window.
             self._if_noise_measured(lambda: self._update_noise(indices, denominator))
         if replicas == 1 or not self._clips():
-            in_each_replica(self._apply_window, indices, denominator, zero_accumulators)
+            in_each_replica(self._apply_window, indices, denominator)
             return
         # Read in cross-replica context, the accumulators come summed over replicas.
         grads, _, _ = self._window_gradients(indices, denominator)
@@ -704,14 +681,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             _summed(self._window.window_unweighted),
         )
 
-    def _apply_window(self, indices, denominator, zero_accumulators=True):
+    def _apply_window(self, indices, denominator):
         """In replica context: this replica's part of the window's gradient, applied (the
         inner optimizer sums the parts over replicas)."""
         grads, variables, rows = self._window_gradients(
             indices, denominator, by_rows=True, measure_noise=not tf.distribute.has_strategy()
         )
         self.inner_optimizer.apply(grads, variables)
-        self._after_update(rows, zero_accumulators)
+        self._after_update(rows)
 
     def _apply_share(self, indices, share):
         """In replica context: ``share``, this replica's part of the reduced, clipped gradient."""
@@ -724,15 +701,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self._guard.skip_window()
         self._reset_window()
 
-    def _after_update(self, rows=None, zero_accumulators=True):
+    def _after_update(self, rows=None):
         if self._loss_scale is not None:
             self._loss_scale.after_update()
-        self._reset_window(rows, zero_accumulators)
+        self._reset_window(rows)
 
-    def _reset_window(self, rows=None, zero_accumulators=True):
-        """Zero the window (of sparse accumulators, only ``rows``: see ``Window.reset``; the
-        accumulators not at all without ``zero_accumulators``, for a caller that does)."""
-        self._window.reset(rows, zero_accumulators)
+    def _reset_window(self, rows=None):
+        """Zero the window (of sparse accumulators, only ``rows``: see ``Window.reset``)."""
+        self._window.reset(rows)
         if self._guard is not None:
             self._guard.reset()
         if self._noise is not None:

@@ -435,24 +435,18 @@ class Window:
                 grads.append(tf.cast(tf.math.divide_no_nan(value, divisor), variable.dtype))
         return grads, rows
 
-    def reset(self, rows=None, accumulators=True):
+    def reset(self, rows=None):
         """Zero the window; ``rows`` ({index: rows}, from :meth:`gradients`): of those
-        accumulators, only these rows hold anything, and only they are zeroed, in place.
-        ``accumulators=False``: all but the accumulators (:meth:`zero_accumulators` after)."""
-        if accumulators:
-            self.zero_accumulators(rows)
-        self.window_weight.assign(0.0)
-        self.window_unweighted.assign(0.0)
-        self.window_micro_steps.assign(0)
-
-    def zero_accumulators(self, rows=None):
-        """Zero the accumulators (of those in ``rows``, as :meth:`reset` says, only those rows)."""
+        accumulators, only these rows hold anything, and only they are zeroed, in place."""
         rows = rows or {}
         for index, accumulator in enumerate(self.accumulators):
             if index in rows:
                 _scatter_zeros(accumulator, rows[index])
             else:
                 accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
+        self.window_weight.assign(0.0)
+        self.window_unweighted.assign(0.0)
+        self.window_micro_steps.assign(0)
 
 
 class LossScale:

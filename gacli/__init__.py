@@ -32,12 +32,16 @@ _LAZY = {
     "compute_norm": "gacli.engine.clipping",
     "replace_batchnorm_layers": "gacli.engine.batchnorm",
     "AccumBatchNormalization": "gacli.engine.batchnorm",
+    "BatchNormWarning": "gacli.engine.batchnorm",
     "BatchNormPolicy": "gacli.engine.options",
     "apply_batchnorm_policy": "gacli.engine.batchnorm",
     "PreciseBatchNorm": "gacli.engine.precise_batchnorm",
     "BatchNormStatistics": "gacli.engine.precise_batchnorm",
     "check_equivalence": "gacli.engine.equivalence",
     "EquivalenceResult": "gacli.engine.equivalence",
+    "TF32": "gacli.engine.options",
+    "tf32_mode": "gacli.engine.tf32",
+    "tf32_enabled": "gacli.engine.tf32",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -161,7 +161,7 @@ def mixed_precision_model_without_policy():
             "partial_window='later'",
         ),
         (
-            lambda: gacli.GradientAccumulateOptimizer("adam", clipnorm=1.0),
+            lambda: gacli.GradientAccumulateOptimizer("adam", weight_decay=0.1),
             "belong to the inner optimizer",
         ),
         (

@@ -40,6 +40,18 @@ def is_functional(model):
     return isinstance(model, (Functional, keras.Sequential))
 
 
+def graph_ends(model):
+    """(inputs, outputs) of a functional or Sequential model, to rebuild it on its layers. Its
+    public ``inputs`` and ``outputs`` are flat lists; a model built on dicts gets its dicts back
+    (the private ``_inputs_struct`` / ``_outputs_struct``), so that a loss, its ``loss_weights``
+    and sample weights keyed by output name still find their outputs."""
+    inputs, outputs = model.inputs, model.outputs
+    structures = (getattr(model, "_inputs_struct", None), getattr(model, "_outputs_struct", None))
+    if any(isinstance(structure, dict) for structure in structures):
+        return structures
+    return inputs, outputs
+
+
 _functional_like_lock = threading.Lock()
 
 
@@ -75,10 +87,39 @@ def autoconvert_optionals(model, step_function):
     return step_function
 
 
-def compute_training_loss(model, x, y, y_pred, sample_weight):
-    """The compiled loss of one training batch, with the regularisation losses, as
-    ``train_step`` computes it (Keras' ``Trainer._compute_loss``)."""
-    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+def compute_training_loss(model, x, y, y_pred, sample_weight, training=True):
+    """The loss of one batch as ``train_step`` computes it: ``model.compute_loss`` (the model's
+    own where its class overrides it; Keras': the compiled loss with the regularisation losses),
+    called with ``training`` where it takes it (Keras' ``Trainer._compute_loss``)."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+
+
+def overrides_compute_loss(model):
+    """Whether ``model``'s class defines its own ``compute_loss`` (Keras' ``train_step`` trains
+    on what it returns)."""
+    return type(model).compute_loss is not keras.Model.compute_loss
+
+
+@contextlib.contextmanager
+def compiled_loss_lent(model, lender):
+    """Inside, ``model`` computes its loss with ``lender``'s compiled loss: Keras'
+    ``Model.compute_loss`` reads the private ``_compile_loss`` that ``compile`` sets, and a
+    wrapped model's own ``compute_loss`` calls it through ``super()`` on a model that was never
+    compiled. Put back on exit."""
+    saved = model._compile_loss
+    model._compile_loss = lender._compile_loss
+    try:
+        yield model
+    finally:
+        model._compile_loss = saved
+
+
+def compiled_loss_weights(model):
+    """The ``loss_weights`` ``model`` was compiled with (None: none, or not compiled)."""
+    compiled = getattr(model, "_compile_loss", None)
+    return getattr(compiled, "_user_loss_weights", None)
 
 
 def loss_tracker(model):
@@ -106,6 +147,12 @@ def compile_state_hidden(model):
 def sublayers(model, include_self=False):
     """Every layer inside ``model``, nested ones included (and the model, ``include_self``)."""
     return list(model._flatten_layers(include_self=include_self))
+
+
+def call_sites(layer):
+    """The places a layer is called at in the functional graphs it belongs to (Keras' private
+    inbound nodes, one per call on symbolic inputs)."""
+    return list(getattr(layer, "_inbound_nodes", ()))
 
 
 def batchnorm_moments(layer, inputs, mask):

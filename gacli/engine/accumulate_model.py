@@ -20,7 +20,12 @@ from gacli.engine.accumulation import (
     StopOnNonFinite,
     find_accumulating_optimizer,
 )
-from gacli.engine.batchnorm import accum_batchnorm_layers
+from gacli.engine.batchnorm import (
+    accum_batchnorm_layers,
+    shared_accum_batchnorm_layers,
+    shared_layer_message,
+    warn_micro_batch_statistics,
+)
 from gacli.engine.host_memory import HostMemoryCallback
 from gacli.engine.options import LossNormalization, NonFinite, Reduction
 from gacli.engine.settings import (
@@ -163,12 +168,29 @@ class AccumulationMixin(compat.KerasWorkarounds):
         if isinstance(optimizer, str):
             optimizer = optimizer.lower()
         optimizer = keras.optimizers.get(optimizer)
+        settings = self.accumulation_config
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            raise ValueError(_LOSS_SCALE_OPTIMIZER)
+            if isinstance(optimizer.inner_optimizer, GradientAccumulateOptimizer):
+                raise ValueError(_LOSS_SCALE_OPTIMIZER)
+            # gradient-accumulator's users compile with LossScaleOptimizer(opt): its settings go
+            # to the accumulator's own loss scaling, which unscales each micro-batch by its own
+            # scale (P2), and its inner optimizer is wrapped.
+            if settings.loss_scaling is False:
+                raise ValueError(
+                    "compile() got a LossScaleOptimizer for a model made with "
+                    "loss_scaling=False; pass the plain optimizer "
+                    "(loss_scale_optimizer.inner_optimizer), or leave loss_scaling out."
+                )
+            settings = settings.replace(
+                loss_scaling=True,
+                initial_scale=optimizer.initial_scale,
+                dynamic_growth_steps=optimizer.dynamic_growth_steps,
+            )
+            optimizer = optimizer.inner_optimizer
         if not isinstance(optimizer, GradientAccumulateOptimizer):
             # Under mixed_float16 the accumulator scales the loss itself (P2), so that each
             # micro-batch is unscaled with its own scale and overflows follow `nonfinite`.
-            config = self.accumulation_config.for_policy(self.dtype_policy.name)
+            config = settings.for_policy(self.dtype_policy.name)
             return GradientAccumulateOptimizer(
                 optimizer, config=config.replace(loss_normalization=LossNormalization.batch)
             )
@@ -202,7 +224,14 @@ class AccumulationMixin(compat.KerasWorkarounds):
                 f"the model ({self.accum_steps}); build them with accum_steps={self.accum_steps} "
                 "so their windows are the optimizer's windows."
             )
+        shared = shared_accum_batchnorm_layers(self)
+        if shared:
+            raise ValueError(shared_layer_message(shared[0]))
         super().compile(optimizer, loss, *args, **kwargs)
+        # Once per model: plain batch norm in training mode is where the big batch's weights
+        # are not given (docs/guides/batch-norm.md).
+        if not getattr(self, "_batchnorm_warned", False):
+            self._batchnorm_warned = warn_micro_batch_statistics(self, self.accum_steps)
 
     def set_accum_steps(self, accum_steps):
         """Micro-batches per update from the next window on (the window must be empty), for the
@@ -484,6 +513,17 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
 
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        # The wrapped model's own compute_loss, where its class defines one, is the loss it
+        # would train on in plain Keras (whose train_step calls it); it reads the compiled loss
+        # of this wrapper, which is the one compiled (tests/test_user_models.py).
+        if not compat.overrides_compute_loss(self.model):
+            return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        with compat.compiled_loss_lent(self.model, self):
+            return compat.compute_training_loss(
+                self.model, x, y, y_pred, sample_weight, training=training
+            )
+
     def get_config(self):
         config = {"name": self.name, "model": keras.saving.serialize_keras_object(self.model)}
         config.update(self.accumulation_config.to_dict())
@@ -528,9 +568,11 @@ def wrap_model(model, accum_steps=None, config=None, **settings):
     """Return a model that trains ``model``'s own layers and weights with accumulation.
 
     Functional and built Sequential models are rewired into a :class:`GradientAccumulateModel` on
-    the same layers; a subclassed model is wrapped in an :class:`AccumulatingModelWrapper`. Either
-    way no weight is copied or re-initialised and ``count_params()`` is unchanged. ``config``
-    and ``settings`` are those of :class:`GradientAccumulateModel`.
+    the same layers; a subclassed model, and one whose class defines its own ``compute_loss``
+    (which the wrapper then trains on, as Keras' ``train_step`` would), is wrapped in an
+    :class:`AccumulatingModelWrapper`. Either way no weight is copied or re-initialised and
+    ``count_params()`` is unchanged. ``config`` and ``settings`` are those of
+    :class:`GradientAccumulateModel`.
 
     Example:
         >>> model = wrap_model(keras.applications.ResNet50(weights=None), accum_steps=8)
@@ -538,10 +580,17 @@ def wrap_model(model, accum_steps=None, config=None, **settings):
     if isinstance(model, AccumulationMixin):
         raise ValueError("This model already accumulates gradients; set its accum_steps instead.")
     try:
-        inputs, outputs = model.inputs, model.outputs
+        inputs, outputs = compat.graph_ends(model)
     except (AttributeError, ValueError):
         inputs = outputs = None
-    if inputs and outputs:
+    # Rewired on its layers, a model would lose its class, and with it a compute_loss of its
+    # own; wrapped, the wrapper trains on what that compute_loss returns.
+    # A symbolic tensor has no truth value: test for "none" (None or an empty structure).
+    rewirable = all(
+        ends is not None and not (isinstance(ends, (list, tuple, dict)) and not ends)
+        for ends in (inputs, outputs)
+    )
+    if rewirable and not compat.overrides_compute_loss(model):
         return GradientAccumulateModel(
             accum_steps=accum_steps,
             inputs=inputs,

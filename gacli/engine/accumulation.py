@@ -59,9 +59,6 @@ __all__ = [
 _INNER_ONLY_ARGUMENTS = (
     "learning_rate",
     "weight_decay",
-    "clipnorm",
-    "global_clipnorm",
-    "clipvalue",
     "use_ema",
     "ema_momentum",
     "ema_overwrite_frequency",
@@ -111,6 +108,87 @@ _LOSS_SCALE_OPTIMIZER = (
 )
 
 
+_DEFAULT_NAME = "GradientAccumulateOptimizer"
+_POSITIONAL = (
+    "GradientAccumulateOptimizer takes optimizer, accum_steps and reduction by position, and "
+    "a fourth positional argument only as gradient-accumulator's releases did: use_agc (a bool) "
+    "or name (a string). Pass the rest by keyword, e.g. GradientAccumulateOptimizer(opt, 4, "
+    "use_agc=True, name='ga'); got {given} positional argument(s) after reduction."
+)
+
+
+def _older_positional(positional, use_agc, name):
+    """(use_agc, name) from a fourth positional argument, read as gradient-accumulator read it:
+    ``name`` in its early releases (optimizer, accum_steps, reduction, name), ``use_agc`` in its
+    last and in gacli; nothing else is guessed."""
+    if not positional:
+        return use_agc, name
+    (value,) = positional if len(positional) == 1 else (None,)
+    if len(positional) == 1 and isinstance(value, str) and name == _DEFAULT_NAME:
+        return use_agc, value
+    if len(positional) == 1 and isinstance(value, bool) and use_agc is None:
+        return value, name
+    raise TypeError(_POSITIONAL.format(given=len(positional)))
+
+
+def _without_loss_scale_optimizer(optimizer, loss_scaling, initial_scale, growth_steps):
+    """(the optimizer to wrap, loss-scaling settings): a Keras ``LossScaleOptimizer``, as the
+    older package's users wrap theirs, gives its inner optimizer and its scale's settings to
+    gacli's own loss scaling (each micro-batch unscaled with the scale it was computed with)."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer, dict(
+            loss_scaling=loss_scaling,
+            initial_scale=initial_scale,
+            dynamic_growth_steps=growth_steps,
+        )
+    if loss_scaling is False:
+        raise ValueError(
+            "GradientAccumulateOptimizer got a LossScaleOptimizer and loss_scaling=False: one "
+            "asks for loss scaling, the other refuses it. Pass the plain optimizer "
+            "(loss_scale_optimizer.inner_optimizer) with loss_scaling=False, or leave "
+            "loss_scaling out."
+        )
+    return optimizer.inner_optimizer, dict(
+        loss_scaling=True,
+        initial_scale=optimizer.initial_scale if initial_scale is None else initial_scale,
+        dynamic_growth_steps=(
+            optimizer.dynamic_growth_steps if growth_steps is None else growth_steps
+        ),
+    )
+
+
+_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
+
+
+def _clipping_for_inner(kwargs):
+    """Pop ``clipnorm``, ``clipvalue`` or ``global_clipnorm`` given to the wrapper: they clip the
+    window's gradient once per update, which is what the inner optimizer's own clipping does."""
+    given = {key: kwargs.pop(key) for key in _CLIPPING if kwargs.get(key) is not None}
+    for key in _CLIPPING:
+        kwargs.pop(key, None)
+    if len(given) > 1:
+        raise ValueError(
+            f"Only one of clipnorm, clipvalue and global_clipnorm can be set; got "
+            f"{', '.join(f'{k}={v}' for k, v in sorted(given.items()))}."
+        )
+    return given
+
+
+def _clip_inner(inner, clipping):
+    """Set the wrapper's clipping on the inner optimizer, unless it clips otherwise already."""
+    if not clipping:
+        return
+    ((key, value),) = clipping.items()
+    own = {k: getattr(inner, k, None) for k in _CLIPPING if getattr(inner, k, None) is not None}
+    if own and own != clipping:
+        raise ValueError(
+            f"GradientAccumulateOptimizer got {key}={value} but its inner optimizer clips with "
+            f"{', '.join(f'{k}={v}' for k, v in own.items())}; set the clipping in one place, "
+            f"e.g. keras.optimizers.Adam(1e-3, {key}={value})."
+        )
+    setattr(inner, key, value)
+
+
 def _state(part, name, setting):
     """A part's state variable; AttributeError when the part is off or not yet built."""
     if part is None or name not in vars(part):
@@ -119,12 +197,22 @@ def _state(part, name, setting):
 
 
 def _check_arguments(kwargs, mixed_precision):
+    older = sorted(key for key in kwargs if key in ("lr", "decay"))
+    if older:
+        raise ValueError(
+            f"GradientAccumulateOptimizer does not take {', '.join(older)}: gradient-accumulator "
+            "accepted them on its wrapper, where they set a learning rate that no update used. "
+            "The inner optimizer's learning rate is the one that counts: "
+            "GradientAccumulateOptimizer(keras.optimizers.SGD(learning_rate=1e-2), "
+            "accum_steps=4); for a decay, give it a schedule, e.g. keras.optimizers.schedules."
+            "InverseTimeDecay(1e-2, decay_steps=1, decay_rate=1e-4)."
+        )
     misplaced = sorted(key for key in kwargs if key in _INNER_ONLY_ARGUMENTS)
     if misplaced:
         raise ValueError(
             f"GradientAccumulateOptimizer does not take {', '.join(misplaced)}: these act once "
             "per update and belong to the inner optimizer, e.g. GradientAccumulateOptimizer("
-            "keras.optimizers.Adam(learning_rate=1e-3, clipnorm=1.0), accum_steps=4)."
+            "keras.optimizers.AdamW(learning_rate=1e-3, weight_decay=0.01), accum_steps=4)."
         )
     if kwargs:
         raise TypeError(
@@ -158,8 +246,8 @@ def _optimizer_settings(config, kwargs, mixed_precision, **given):
 
 # The counters a model wrapper's step returns in its logs when asked (``counters_in_logs``): read
 # on the host from the call's own outputs, they cost no op after the call (a variable's read is
-# the first op after a compiled call and waits about 30 us; ga-train's callbacks made five an
-# update).
+# the first op after a compiled call and waits for TensorFlow's worker threads, and ga-train's
+# callbacks would make several an update).
 COUNTERS_LOG_KEY = "gacli_counters"
 AFTER_CALL = ("optimizer_step", "micro_step", "window_micro_steps", "halted_at", "learning_rate")
 # With the noise scale on, its state vector rides beside them in the logs, under the first name,
@@ -182,7 +270,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     the non-finite guard) are in :mod:`gacli.engine.window`.
 
     Args:
-        optimizer: the inner optimizer: an instance, a name (``"adam"``) or a config dict.
+        optimizer: the inner optimizer: an instance, a name (``"adam"``) or a config dict. A
+            Keras ``LossScaleOptimizer`` (as gradient-accumulator's users write it) gives its
+            inner optimizer and its ``initial_scale`` and ``dynamic_growth_steps`` to this
+            wrapper's own loss scaling.
         accum_steps: micro-batches per optimizer update (>= 1; default 1).
         reduction: ``"mean"`` (default; the big-batch gradient) or ``"sum"``.
         use_agc: apply adaptive gradient clipping to the accumulated gradient.
@@ -208,7 +299,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             (default with loss scaling) or ``"skip_window"``: training goes on without it.
             ``None`` without loss scaling means no check. Skips are counted in
             ``skipped_micro_batches`` and ``skipped_windows``.
-        name: optimizer name.
+        name: optimizer name (``"GradientAccumulateOptimizer"``). A fourth positional argument
+            is read as gradient-accumulator's releases read it: a string is ``name``, a bool
+            ``use_agc``; positional arguments past it are refused.
+        **kwargs: ``clipnorm``, ``clipvalue`` or ``global_clipnorm``, as on any Keras
+            optimizer: the inner optimizer clips the window's gradient with it, once per update.
         dtype: alias of ``accumulator_dtype`` kept for ``gradient-accumulator`` users.
         config: an :class:`~gacli.AccumulationConfig` (or its dict); arguments given beside it
             override its values.
@@ -229,6 +324,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         optimizer="sgd",
         accum_steps=None,
         reduction=None,
+        *positional,
         use_agc=None,
         clip_factor=None,
         eps=None,
@@ -239,12 +335,17 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         initial_scale=None,
         dynamic_growth_steps=None,
         nonfinite=None,
-        name="GradientAccumulateOptimizer",
+        name=_DEFAULT_NAME,
         dtype=None,
         config=None,
         agc_unit_axes=None,
         **kwargs,
     ):
+        use_agc, name = _older_positional(positional, use_agc, name)
+        optimizer, scaling = _without_loss_scale_optimizer(
+            optimizer, loss_scaling, initial_scale, dynamic_growth_steps
+        )
+        clipping = _clipping_for_inner(kwargs)
         config = _optimizer_settings(
             config,
             kwargs,
@@ -256,20 +357,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             eps=eps,
             partial_window=partial_window,
             accumulator_dtype=dtype or accumulator_dtype,
-            loss_scaling=loss_scaling,
-            initial_scale=initial_scale,
-            dynamic_growth_steps=dynamic_growth_steps,
             nonfinite=nonfinite,
+            **scaling,
         )
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = _inner_optimizer(optimizer)
-        self.config = config
-        self._window = Window(config.accum_steps, config.reduction, config.accumulator_dtype)
-        self._loss_scale = None
-        if config.loss_scaling:
-            self._loss_scale = LossScale(config.initial_scale, config.dynamic_growth_steps)
-        self._guard = NonFiniteGuard(config.nonfinite) if config.nonfinite else None
-        self._noise = NoiseScale.asked_for(config)
+        _clip_inner(self.inner_optimizer, clipping)
+        self._make_parts(config)
         # Whether the end of the current fit() is the end of training (see fit_continues).
         self.fit_ends_training = True
         # AGC's unit axes by variable path, from the model's layers (gacli.agc_unit_axes); None:
@@ -284,6 +378,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         # computation such a conditional copies every variable it may update, each micro-step.
         self.update_compiled_apart = False
         self._constructed = True
+
+    def _make_parts(self, config):
+        """The settings and the parts they ask for (:mod:`gacli.engine.window`), not yet built."""
+        self.config = config
+        self._window = Window(config.accum_steps, config.reduction, config.accumulator_dtype)
+        self._loss_scale = None
+        if config.loss_scaling:
+            self._loss_scale = LossScale(config.initial_scale, config.dynamic_growth_steps)
+        self._guard = NonFiniteGuard(config.nonfinite) if config.nonfinite else None
+        self._noise = NoiseScale.asked_for(config)
 
     def __setattr__(self, name, value):
         # Keras' LossScaleOptimizer announces itself by clearing its inner optimizer's
@@ -346,6 +450,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     step_nonfinite = property(lambda self: _state(self._guard, "step_nonfinite", "nonfinite"))
     window_nonfinite = property(lambda self: _state(self._guard, "window_nonfinite", "nonfinite"))
     halted_at = property(lambda self: _state(self._guard, "halted_at", "nonfinite='stop'"))
+
+    @property
+    def optimizer(self):
+        """The inner optimizer (gradient-accumulator's name for it)."""
+        return self.inner_optimizer
 
     @property
     def _accumulators(self):
@@ -483,9 +592,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         for the two parts that read it, or None where neither would: the noise scale, when it
         measures every window (``measured``: it measures this micro-batch's), and the
         non-finite check without XLA on a CPU, which tests it instead of every element
-        (:func:`~gacli.engine.window.all_finite`: on the MLP of ``benchmarks/``, timed in one
-        process, 1,041 µs a micro-step against 1,112 with its own test of every element, and
-        the noise scale's pass then costs the check nothing). ``marked``: with both under XLA
+        (:func:`~gacli.engine.window.all_finite`: one pass over the gradients instead of a
+        test of every element, and with the noise scale on the check then costs nothing more,
+        ``docs/performance.md``). ``marked``: with both under XLA
         on a CPU, the norm counts a non-finite element as a nan, and the check reads that
         (:func:`~gacli.engine.window.marks_non_finite`)."""
         if not gradients:
@@ -512,9 +621,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def _if_noise_measured(self, measure):
         """Run ``measure`` (which returns nothing) in a window the noise scale measures: always
         with ``noise_scale_every=1``, otherwise under a graph conditional, so that the squared
-        norms of the windows it skips are never computed. (Without XLA, on the MLP of
-        ``benchmarks/``, a conditional that takes the gradients in cost about 2% of a window
-        whether it ran or not.)"""
+        norms of the windows it skips are never computed. (Only then: a conditional that takes
+        the gradients in costs its call whether it runs or not, so with every window measured
+        there is none.)"""
         if self._noise.every == 1:
             measure()
             return
@@ -664,11 +773,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         from the accumulators.
 
         Without XLA ``grads`` serve where given: a sparse table's norm then comes from its held
-        rows only (from the accumulators, a second read, it timed no faster or slower in
-        ga-train). Under XLA the accumulators always: the update reads them too, so the window's
-        gradient stays fused into the update's pass, where a norm of ``grads`` made XLA write
-        them out first (on the MLP of ``benchmarks/``, in a profile of ga-train's updates, that
-        write took 0.2 ms an update, about a third of the noise scale's cost there)."""
+        rows only (from the accumulators it would be a second read). Under XLA the accumulators
+        always: the update reads them too, so the window's gradient stays fused into the
+        update's pass, where a norm of ``grads`` made XLA write them out to memory first."""
         from_grads = grads is not None and not in_xla_computation()
         if from_grads and all(g.dtype == self._window.dtype for g in grads):
             squared = squared_norm(grads)
@@ -722,7 +829,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             return
         if not force and tf.executing_eagerly() and int(self.window_micro_steps.numpy()) == 0:
             # Every window closed (the usual epoch end): nothing to apply or drop. Tracing the
-            # function anyway costs seconds and ~10 MB of host memory at the first epoch end.
+            # function anyway costs a trace and its host memory at the first epoch end.
             # (Every micro-step counts itself in window_micro_steps, and every worker of a run
             # holds the same count, so all of them skip or none does.)
             return
@@ -841,9 +948,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         :meth:`take_counters`: the counters of :data:`AFTER_CALL` as one float64 vector (exact
         below 2**53) under :data:`COUNTERS_LOG_KEY`, and with the noise scale on its state
         vector, as it is (one read), under :data:`NOISE_STATE_LOG_KEY`. Apart, not concatenated:
-        these ops run outside XLA in every micro-step of a compiled call, where a cast and a
-        concat more took about 40 us an update of the MLP of ``benchmarks/`` under XLA (in a
-        profile of ga-train's updates), before the graph executor's own cost for each op."""
+        these ops run outside XLA in every micro-step of a compiled call, where each op (a cast,
+        a concat) costs the graph executor's own time on every micro-step."""
         values = [self._counter(name) for name in AFTER_CALL]
         counters = tf.stack([tf.cast(tf.convert_to_tensor(value), "float64") for value in values])
         logs = {COUNTERS_LOG_KEY: counters}
@@ -869,7 +975,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             counters = dict(zip(AFTER_CALL, np.asarray(counters, np.float64).tolist()))
             if state is not None:
                 counters[NOISE_STATE] = np.asarray(state, np.float32)
-        # Past Keras' attribute tracking, which took 0.19 ms an assignment.
+        # Past Keras' attribute tracking, which would inspect the dict on every assignment.
         object.__setattr__(self, "_after_call", counters)
 
     def forget_counters(self):

@@ -64,6 +64,15 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         self.window_m2 = state("window_m2", channels)
         self.window_position = state("window_position", (), "int64")
 
+    def _assert_input_compatibility(self, arg_0):
+        # One instance in one place: its window counts the micro-batches of one input. Keras'
+        # own check would only say the rank is wrong when the instance is reused on another.
+        if self.built and self.input_spec is not None and self.input_spec.ndim is not None:
+            rank = len(getattr(arg_0, "shape", ()))
+            if rank != self.input_spec.ndim:
+                raise ValueError(shared_layer_message(self, (self.input_spec.ndim, rank)))
+        super()._assert_input_compatibility(arg_0)
+
     def _element_count(self, inputs, mask):
         """Elements per channel that the micro-batch's moments were taken over."""
         if mask is None:
@@ -184,6 +193,60 @@ def plain_batchnorm_layers(model):
     ]
 
 
+def shared_layer_message(layer, ranks=None):
+    """Why one AccumBatchNormalization instance cannot be applied at two places of a model."""
+    seen = f" to inputs of rank {ranks[0]} and rank {ranks[1]}" if ranks else " at two places"
+    return (
+        f"AccumBatchNormalization {layer.name!r} is applied{seen}. Its window counts the "
+        "micro-batches of one input and pools their statistics into one set of moving "
+        "statistics, so one instance belongs in one place (gradient-accumulator's own tests "
+        "shared one between a Conv2D and a Dense output, which pooled both and closed its window "
+        "twice as often). Make one layer per place, e.g. AccumBatchNormalization(accum_steps=k) "
+        "after the convolution and another after the Dense layer."
+    )
+
+
+def shared_accum_batchnorm_layers(model):
+    """The AccumBatchNormalization layers of ``model`` that it calls at more than one place."""
+    return [layer for layer in accum_batchnorm_layers(model) if len(compat.call_sites(layer)) > 1]
+
+
+class BatchNormWarning(UserWarning):
+    """A model that accumulates gradients has BatchNormalization layers in training mode: each
+    micro-batch is normalised by its own statistics, so its weights are not the big batch's."""
+
+
+def micro_batch_statistics_message(layers, accum_steps):
+    """The paragraph of :class:`BatchNormWarning` for ``layers``; its advice follows the measured
+    comparison of the policies in docs/guides/batch-norm.md."""
+    names = ", ".join(layer.name for layer in layers[:3]) + (", ..." if len(layers) > 3 else "")
+    return (
+        f"{len(layers)} BatchNormalization layer(s) in training mode ({names}) compute "
+        "statistics per micro-batch and normalise each micro-batch by its own, so with "
+        f"accum_steps={accum_steps} the weights are "
+        "not those of one big batch (every other part of the update is). Choose a policy with "
+        "gacli.apply_batchnorm_policy(model, policy, accum_steps) before wrapping (ga-train: "
+        "batchnorm=policy): 'freeze' (inference mode: exact, for fine-tuning), 'group_norm' (no "
+        "batch statistics: exact, but a different layer), 'precise' (training as it is, moving "
+        "statistics recomputed exactly before validation: the best validation of the policies "
+        "measured in gacli's batch-norm guide) or 'accumulate' (the big batch's moving "
+        "statistics, which need thousands of updates to settle). Having chosen to keep them: "
+        "warnings.filterwarnings('ignore', category=gacli.BatchNormWarning)."
+    )
+
+
+def warn_micro_batch_statistics(model, accum_steps, stacklevel=3):
+    """Warn (:class:`BatchNormWarning`) when ``model`` has trainable plain BatchNormalization
+    layers and ``accum_steps`` > 1; whether it warned."""
+    layers = [layer for layer in plain_batchnorm_layers(model) if layer.trainable]
+    if accum_steps <= 1 or not layers:
+        return False
+    warnings.warn(
+        micro_batch_statistics_message(layers, accum_steps), BatchNormWarning, stacklevel=stacklevel
+    )
+    return True
+
+
 def accum_batchnorm_layers(model):
     """The AccumBatchNormalization layers inside ``model`` (nested models included)."""
     return [
@@ -257,14 +320,9 @@ def apply_batchnorm_policy(model, policy="accumulate", accum_steps=1, groups=32,
     if policy is BatchNormPolicy.precise:
         return model  # the layers train as they are; PreciseBatchNorm sets their statistics
     if policy is BatchNormPolicy.keep:
-        if warn and accum_steps > 1:
+        if warn:
             # Python's warning filters show it once per place it is called from.
-            warnings.warn(
-                f"{len(layers)} BatchNormalization layer(s) compute statistics per micro-batch, "
-                "not per window; use batchnorm policy 'accumulate' (AccumBatchNormalization) for "
-                "window statistics, or 'freeze' when fine-tuning.",
-                stacklevel=2,
-            )
+            warn_micro_batch_statistics(model, accum_steps)
         return model
     if policy is BatchNormPolicy.freeze:
         for layer in layers:

@@ -3,10 +3,9 @@
 Tracing a train step, Grappler and above all XLA's compiler allocate hundreds of MB of small
 blocks and free them before the first step has run. glibc's malloc keeps freed blocks in its
 arenas for reuse, and the process's resident memory (RSS) stays at the compiler's high-water mark
-for the whole run. Measured on the benchmark's UNet with ``jit_compile=True`` (see
-``benchmarks/rss_phases.py``): about 160 MiB held for plain Keras and 260 MiB for the accumulating
-model after the first compiled call, given back by one ``malloc_trim(0)``. Nothing live is
-touched: glibc only returns whole free pages.
+for the whole run; one ``malloc_trim(0)`` after the first compiled call gives it back
+(``benchmarks/rss_phases.py`` splits a run's peak into these phases). Nothing live is touched:
+glibc only returns whole free pages.
 
 Elsewhere (musl, macOS, Windows) there is no ``malloc_trim`` and this module does nothing.
 """

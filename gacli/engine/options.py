@@ -59,3 +59,12 @@ def parse_option(enum_type, value, argument):
             f"{argument}={value!r} is not one of {choices}; pass one of those, "
             f"e.g. {argument}={next(iter(enum_type)).value!r}."
         ) from None
+
+
+class TF32(str, enum.Enum):
+    """TensorFloat-32 for float32 matrix products and convolutions on Ampere and newer GPUs
+    (:mod:`gacli.engine.tf32`)."""
+
+    auto = "auto"  # as it is: TensorFlow's default (on), or what the caller set before
+    on = "on"  # faster products whose inputs are rounded to 10 mantissa bits
+    off = "off"  # float32 products in float32: what exactness to float32 round-off needs

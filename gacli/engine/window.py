@@ -68,10 +68,10 @@ def _finite_by_scaled_product(gradient, length):
     """Whether every element is finite, in one pass and no copy: the gradient, in rows of
     ``length``, times a column of 2**-64, summed. A nan or an infinity in any element makes
     that sum nan or infinite (inf times 2**-64 is inf, inf - inf is nan), and finite elements
-    cannot make it overflow: each product is at most 3.4e38 * 2**-64 = 1.8e19. TensorFlow's
-    test of every element (``is_finite``, then ``reduce_all`` of its copy of flags) took 249
-    µs for the 535,818 gradients of an MLP 784-512-256-10, this 152 µs
-    (``benchmarks/xla_sums.py``)."""
+    cannot make it overflow: each product is at most 3.4e38 * 2**-64 = 1.8e19. It is used
+    instead of TensorFlow's test of every element (``is_finite``, then ``reduce_all``), which
+    writes a copy of flags as large as the gradient first (``benchmarks/xla_sums.py``; the
+    figures are in ``docs/performance.md``)."""
     matrix = tf.reshape(gradient, [-1, length])
     column = tf.fill([length, 1], tf.constant(2.0**-64, tf.float32))
     return tf.math.is_finite(tf.reduce_sum(tf.matmul(matrix, column)))
@@ -122,10 +122,8 @@ def _marked_sum_of_squares(tensor):
 def marks_non_finite():
     """Whether the non-finite check and the noise scale share one marked squared norm
     (:func:`squared_norm`'s ``marked``): under XLA on a CPU. There the check's test then costs a
-    select fused into the norm's pass, with no conditional: on the MLP of ``benchmarks/``, timed
-    call by call (``gns_alternating.py --per-call``), the noise scale's cost in the compiled
-    window with the check fell from 2.3-2.6% to none or about 1% (1.015x and 0.992x in two runs,
-    whose spread is about 2%). Without XLA the squared norm is
+    select fused into the norm's pass, with no conditional and no second pass over the
+    gradients for the check (``docs/performance.md``). Without XLA the squared norm is
     TensorFlow's own kernel, which a select would precede with a copy (see
     :func:`finite_by_squared_norm`)."""
     return _compiled_by_xla_on_cpu()
@@ -195,10 +193,10 @@ def _by_product(tensor):
 def _sum_by_product(elements):
     """The sum of a float32 tensor's elements as XLA on a CPU runs it fast.
 
-    XLA on a CPU compiles a reduction to one number into a single sequential loop: for the
-    535,818 gradients of an MLP 784-512-256-10 their squared norm took three times as long as
-    TensorFlow's own kernel, a quarter of a micro-step (the noise scale's whole cost under XLA;
-    the non-finite check's test of every element cost as much). Here the elements are laid out
+    XLA on a CPU compiles a reduction to one number into a single sequential loop, which on a
+    small model's gradients is slower than TensorFlow's own kernel and weighs on every
+    micro-step (the noise scale's squared norm and the non-finite check's test are such sums;
+    ``benchmarks/xla_sums.py``, figures in ``docs/performance.md``). Here the elements are laid out
     in rows of 128 and summed by a matrix product with a column of ones, which XLA hands to its
     vectorised matrix kernels, and the rows' sums are added. ``elements`` is computed into a
     temporary copy for the product: hence the 4 Mi bound of :func:`_by_product` (16 MiB).
@@ -260,10 +258,10 @@ def read_now(variable):
     """A variable's value as NumPy, read eagerly between compiled calls (callbacks' counters).
 
     ``variable.numpy()`` runs two eager ops, a read and a copy (``identity``). Right after a
-    compiled call, while TensorFlow's worker threads still hold the cores, each op is slow: on a
-    2-core CPU under XLA the first read took 0.28 ms and a second 0.12 ms, against 0.085 and
-    0.032 ms for the one ``ReadVariableOp`` used here, and the callbacks read several counters an
-    update. A distributed variable (a mirrored or per-replica one) is read as before.
+    compiled call, while TensorFlow's worker threads still hold the cores, each op waits for
+    them, so one ``ReadVariableOp`` (used here) costs less than two, and the callbacks read
+    several counters an update. A distributed variable (a mirrored or per-replica one) is read
+    as before.
     """
     # A keras.Variable's own tf.Variable is its ``value``.
     value = variable if isinstance(variable, tf.Variable) else getattr(variable, "value", None)
@@ -323,8 +321,10 @@ class Window:
         self.window_unweighted = add_state("window_unweighted", per_replica=True)
         # 1 for each variable that received a gradient: a variable that gets none must not be
         # "updated" with a zero gradient, which would still move it under Adam or momentum.
+        # int64, never int32: TensorFlow keeps an int32 variable in host memory, where an XLA
+        # computation on a GPU cannot reach it (see docs/contract.md, "On a GPU").
         self.gradient_mask = add_state(
-            "gradient_mask", shape=(len(variables),), dtype="int32", initial_value=1
+            "gradient_mask", shape=(len(variables),), dtype="int64", initial_value=1
         )
         self.accumulators = [
             add_state(
@@ -388,7 +388,7 @@ class Window:
         mask = [0] * len(self.accumulators)
         for index in indices:
             mask[index] = 1
-        self.gradient_mask.assign(tf.constant(mask, "int32"))
+        self.gradient_mask.assign(tf.constant(mask, "int64"))
         self.window_micro_steps.assign_add(1)
         self.micro_step.assign_add(1)
 
@@ -680,9 +680,8 @@ class NoiseScale:
         The same numbers as float32 arithmetic gives (a quotient of two float32 numbers worked
         in float64 and rounded to float32 is the float32 quotient), in plain Python: the logger
         reads it after every update, right after a compiled call, while TensorFlow's worker
-        threads still hold the cores, and there its NumPy form took 55 us an update (timed
-        inside the updates of ``benchmarks/gns_alternating.py --ga-train``; 5 us timed
-        alone)."""
+        threads still hold the cores: there each NumPy op waits for those threads, so plain
+        Python floats cost less than NumPy's small-array arithmetic."""
         if state is None:
             state = _value(self.state)
         values = np.asarray(state, dtype=np.float32).tolist()

@@ -1,10 +1,11 @@
 """``ga-train check=equivalence``: the job's own model and data, one window, no training.
 
 The job is planned and its data loaded as for training (:class:`gacli.runner.train.Run`); its
-model, batch-norm policy, optimizer and loss are built as :func:`gacli.runner.train.build_job`
-builds them; then :func:`gacli.engine.equivalence.check_equivalence` compares one gacli update over
-the first window of the first pass (in the training order) with one plain-Keras update over the
-same samples. It writes ``equivalence.json`` in the run directory and no ``result.json`` or model.
+model, batch-norm policy, optimizer, loss and accumulation settings are built as
+:func:`gacli.runner.train.build_job` builds them; then
+:func:`gacli.engine.equivalence.check_equivalence` compares one gacli update over the first window
+of the first pass (in the training order) with one plain-Keras update over the same samples. It
+writes ``equivalence.json`` in the run directory and no ``result.json`` or model.
 """
 
 import os
@@ -19,7 +20,7 @@ from gacli.runner.config import Wrapper
 from gacli.runner.models import build_model
 from gacli.runner.optimizers import build_optimizer
 from gacli.runner.runstate import micro_batch_stream
-from gacli.runner.train import Run, choose_wrapper, loss_and_metrics
+from gacli.runner.train import Run, accumulation_config, choose_wrapper, loss_and_metrics
 
 EQUIVALENCE_FILE = "equivalence.json"
 
@@ -65,6 +66,8 @@ def run_equivalence_check(cfg, run_dir, given=()):
             tolerance=cfg.check.tolerance,
             strategy=strategy,
             batchnorm=cfg.batchnorm.value,
+            # Every accumulation setting the job would train with, not only accum_steps.
+            config=accumulation_config(cfg, plan),
         )
     except EquivalenceInputError as error:
         raise ConfigError(f"check=equivalence: {error}") from None

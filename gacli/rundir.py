@@ -4,7 +4,10 @@
   ends, so a second ``ga-train`` on the same directory stops with the holder's name instead of
   writing over it.
 - ``result.json`` is written last, atomically: its presence marks a finished run, which nothing
-  writes to again.
+  writes to again (``probe.json`` marks a finished ``probe=batch``, ``equivalence.json`` a finished
+  ``check=equivalence``: :func:`finished_as`).
+- A run removes only a directory it made and holds (:func:`discard_unstarted`), never one another
+  run made or is running in.
 - A run that failed while training leaves ``failure.json`` (exit code and message) beside its
   checkpoints; one that failed on its input before training leaves nothing. A resumed run that
   finishes sets the failure it was resumed from aside as ``failure-before-resume.json``, so that
@@ -47,6 +50,10 @@ _TABLE_MAGIC = (0xDB4775248B80FB57).to_bytes(8, "little")
 _INDEX = re.compile(r"^ckpt-(\d+)\.index$")
 
 _held = {}  # real path -> open lock file, for the locks this process holds
+# Real paths whose lock file this process made: the run directories it started, which it alone
+# may remove (discard_unstarted). A directory locked after another process, even one that has
+# since ended, was not made by this one (a sweep's jobs may share one through hydra.sweep.subdir).
+_created = set()
 
 
 def is_chief():
@@ -55,19 +62,52 @@ def is_chief():
     From TF_CONFIG; without it, from SLURM's task rank (ga-train sets TF_CONFIG from SLURM only
     when it builds the strategy, after the run directory is locked).
     """
+    return cluster_role() is None
+
+
+def cluster_role():
+    """None for the process that writes the run (a cluster's chief, or a process on its own);
+    for any other worker, the words that say which one it is and where that is set, e.g.
+    ``"worker 1 (TF_CONFIG)"``. ConfigError for a TF_CONFIG that cannot be read."""
     raw = os.environ.get("TF_CONFIG")
     if not raw:
-        return os.environ.get("SLURM_PROCID", "0") == "0"
+        rank = os.environ.get("SLURM_PROCID", "0")
+        return None if rank == "0" else f"SLURM task {rank} (SLURM_PROCID={rank})"
+    config = read_tf_config(raw)
+    task, cluster = config.get("task", {}), config.get("cluster", {})
+    kind, index = task.get("type", "chief"), task.get("index", 0)
+    if kind == "chief" or (kind == "worker" and index == 0 and "chief" not in cluster):
+        return None
+    return f"{kind} {index} (TF_CONFIG)"
+
+
+def read_tf_config(raw):
+    """TF_CONFIG's JSON object, its ``task`` and ``cluster`` checked to be objects."""
+    shape = (
+        'e.g. TF_CONFIG=\'{"cluster": {"worker": ["host1:12345", "host2:12345"]}, "task": '
+        '{"type": "worker", "index": 0}}\' for strategy=multi_worker (docs/guides/distributed.md)'
+        ", or unset it (unset TF_CONFIG) to train in one process"
+    )
+    shown = raw if len(raw) <= 80 else raw[:77] + "..."
     try:
         config = json.loads(raw)
-    except ValueError:
-        raise ConfigError(f"TF_CONFIG is not valid JSON: {raw!r}.") from None
-    task = config.get("task", {})
-    return task.get("type", "chief") == "chief" or (
-        task.get("type") == "worker"
-        and task.get("index", 0) == 0
-        and "chief" not in config.get("cluster", {})
-    )
+    except ValueError as error:
+        raise ConfigError(
+            f"TF_CONFIG is not valid JSON ({error.msg} at character {error.pos}): {shown!r}. "
+            f"Give the cluster as a JSON object, {shape}."
+        ) from None
+    task = config.get("task", {}) if isinstance(config, dict) else None
+    if (
+        not isinstance(task, dict)
+        or not isinstance(config.get("cluster", {}), dict)
+        or not isinstance(task.get("index", 0), int)
+    ):
+        raise ConfigError(
+            f'TF_CONFIG={shown!r} is JSON but not a cluster: it needs an object with "cluster" '
+            f'(lists of "host:port" by task type) and "task" ({{"type": ..., "index": N}}); '
+            f"{shape}."
+        )
+    return config
 
 
 def lock(run_dir, command=""):
@@ -79,6 +119,7 @@ def lock(run_dir, command=""):
     if path in _held or fcntl is None:
         return
     os.makedirs(path, exist_ok=True)
+    first = not os.path.lexists(os.path.join(path, LOCK_FILE))
     handle = open(os.path.join(path, LOCK_FILE), "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -90,7 +131,8 @@ def lock(run_dir, command=""):
             f"{run_dir} is in use by another run: {holder}. Two runs in one directory would write "
             "over each other's checkpoints and results. Wait for that run to end (resume it "
             "afterwards with resume=<its directory> if it was stopped), or leave hydra.run.dir "
-            "unset so that this run gets a directory of its own."
+            "unset so that this run gets a directory of its own (in a sweep, keep "
+            "${hydra.job.num} in hydra.sweep.subdir: one directory per job)."
         ) from None
     handle.seek(0)
     handle.truncate()
@@ -100,19 +142,31 @@ def lock(run_dir, command=""):
     )
     handle.flush()
     _held[path] = handle
+    if first:
+        _created.add(path)
+
+
+def held():
+    """The run directories this process holds, as real paths."""
+    return list(_held)
 
 
 def release(run_dir):
+    _created.discard(os.path.realpath(run_dir))
     handle = _held.pop(os.path.realpath(run_dir), None)
     if handle is not None:
         handle.close()  # closing the file drops the lock
 
 
 def check_usable(run_dir, resume):
-    """ConfigError when ``run_dir`` holds a finished run, or an unfinished one and no ``resume``."""
-    if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
+    """ConfigError when ``run_dir`` holds a finished run (training, probe=batch or
+    check=equivalence: every command that writes a run directory), or an unfinished one and no
+    ``resume``."""
+    what = finished_as(run_dir)
+    if what is not None:
+        kind = "run" if what == "training" else f"{what} run"
         raise ConfigError(
-            f"{run_dir} holds a finished run, which is never written to again"
+            f"{run_dir} holds a finished {kind}, which is never written to again"
             + ("; there is nothing to resume. " if resume else ". ")
             + "Leave hydra.run.dir unset (each run gets a new directory) or pick a new one."
         )
@@ -191,21 +245,23 @@ def strict_json(value):
 
 
 def write_json(path, value):
-    """Write ``value`` as strict JSON, atomically: readers see the old file or the whole new one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    handle = tempfile.NamedTemporaryFile(
-        "w", dir=directory, prefix=".writing-", suffix=".json", delete=False
-    )
+    """Write ``value`` as strict JSON, atomically: readers see the old file or the whole new one.
+
+    The file gets the permissions the process umask gives, as the run's other files do (a
+    ``tempfile`` scratch file would be 0600)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    scratch = os.path.join(directory, f".writing-{os.getpid()}-{os.urandom(4).hex()}-{name}")
     try:
-        with handle:
+        descriptor = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with open(descriptor, "w") as handle:
             json.dump(strict_json(value), handle, indent=2, allow_nan=False)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(handle.name, path)
+        os.replace(scratch, path)
     except BaseException:
         # A full disk, or an interrupt: no half-written file stays behind under its own name.
         with contextlib.suppress(OSError):
-            os.remove(handle.name)
+            os.remove(scratch)
         raise
 
 
@@ -251,8 +307,12 @@ _BEFORE_TRAINING = {".hydra", LOCK_FILE, CHECKPOINT_DIR, "resolved.yaml", "tenso
 def discard_unstarted(run_dir):
     """Remove the directory of a new run that stopped on its input before training: it holds
     nothing worth keeping, and left behind it would look like an unfinished run. Only a directory
-    that holds nothing but what such a run writes is removed; anything else (a finished run, a
-    checkpoint, a file of the user's) leaves it as it is."""
+    that this process made and holds (:func:`lock`) is removed, never one another run made or is
+    running in, and only while it holds nothing but what such a run writes; anything else (a
+    finished run, a checkpoint, a file of the user's) leaves it as it is."""
+    path = os.path.realpath(run_dir)
+    if path not in _held or path not in _created:
+        return
     if not os.path.isdir(run_dir) or checkpoint_numbers(run_dir):
         return
     for name in os.listdir(run_dir):
@@ -272,6 +332,7 @@ def check_ours(run_dir):
     # A run from before runs held a lock file holds only names a run writes (a model.keras alone
     # is a user's file: a run writes it last, beside its result).
     ours = _BEFORE_TRAINING | {FAILURE_FILE, EARLIER_FAILURE_FILE, RESULT_FILE, BATCH_PLAN_FILE}
+    ours |= {PROBE_FILE, "probe.png", "branches", EQUIVALENCE_FILE}  # probe=batch, check=...
     if (
         LOCK_FILE in names
         or set(names) <= ours
@@ -290,12 +351,20 @@ def check_ours(run_dir):
 
 
 def started_but_never_saved(run_dir):
-    """Whether ``run_dir`` holds a ga-train run that stopped before its first checkpoint."""
+    """Whether ``run_dir`` holds a ga-train run that stopped before its first checkpoint: nothing
+    in it but what a run writes before then (not a finished probe's or check's record, not a
+    probe's branches, which are runs of their own)."""
+    names = set(os.listdir(run_dir)) if os.path.isdir(run_dir) else set()
+    unsaved = _BEFORE_TRAINING | {FAILURE_FILE, BATCH_PLAN_FILE}
     return (
-        os.path.exists(os.path.join(run_dir, LOCK_FILE))
-        and not os.path.exists(os.path.join(run_dir, RESULT_FILE))
+        LOCK_FILE in names
+        and ".hydra" in names
+        and finished_as(run_dir) is None
         and not checkpoint_numbers(run_dir)
-        and os.path.isdir(os.path.join(run_dir, ".hydra"))
+        and all(
+            name in unsaved or name.endswith(".log") or name.startswith(".writing-")
+            for name in names
+        )
     )
 
 
@@ -311,3 +380,77 @@ def clear_unsaved_start(run_dir):
             shutil.rmtree(path)
         else:
             os.remove(path)
+
+
+# The record a run that trains nothing leaves instead of result.json, written last and atomically
+# (gacli.runner.batch_probe and gacli.runner.equivalence_check): its presence marks it finished.
+PROBE_FILE = "probe.json"
+EQUIVALENCE_FILE = "equivalence.json"
+_FINISHED_WITHOUT_RESULT = ((PROBE_FILE, "probe=batch"), (EQUIVALENCE_FILE, "check=equivalence"))
+
+
+def finished_as(run_dir):
+    """What finished in ``run_dir``: ``"training"`` (result.json), ``"probe=batch"`` (probe.json),
+    ``"check=equivalence"`` (equivalence.json, passed or not); None when nothing finished there."""
+    if os.path.exists(os.path.join(run_dir, RESULT_FILE)):
+        return "training"
+    for name, what in _FINISHED_WITHOUT_RESULT:
+        if os.path.exists(os.path.join(run_dir, name)):
+            return what
+    return None
+
+
+def live_holder(run_dir):
+    """Who holds ``run_dir``'s lock (the lock file's text, or a placeholder) while another process
+    is running in it; None when no process holds it (or this one does, or locks are unknown).
+
+    Takes a shared lock for an instant, never waiting: a ga-train starting in that instant is told
+    the directory is in use, as it would be by a live run."""
+    path = os.path.realpath(run_dir)
+    if fcntl is None or path in _held:
+        return None
+    try:
+        # O_NONBLOCK: a FIFO named like the lock file must not hang the caller.
+        descriptor = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(descriptor, "rb") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                text = handle.read(4096).decode("utf-8", "replace").strip()
+            except OSError:
+                text = ""
+            return text.splitlines()[0] if text else "a process that did not say who it is"
+        except OSError:
+            return None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
+def check_resumable(run_dir, given):
+    """ConfigError, saying what to type instead, when ``run_dir`` (named by the user as ``given``,
+    e.g. ``resume=true``) holds nothing to resume: a finished run, probe or check, or a run that
+    another process is training now."""
+    what = finished_as(run_dir)
+    if what == "training":
+        raise ConfigError(
+            f"{given}: {run_dir} holds a finished run; there is nothing to resume. Start a new run "
+            "without resume=."
+        )
+    if what is not None:
+        record = dict((kind, name) for name, kind in _FINISHED_WITHOUT_RESULT)[what]
+        raise ConfigError(
+            f"{given}: {run_dir} holds a finished {what} run (its {record} is written); it trained "
+            f"nothing to go on from, so there is nothing to resume. Run {what} again without "
+            "resume= (a new directory), or read its result with ga-report "
+            f"{os.path.dirname(run_dir) or '.'}."
+        )
+    holder = live_holder(run_dir)
+    if holder is not None:
+        raise ConfigError(
+            f"{given}: {run_dir} is running now ({holder}); it is not interrupted, so there is "
+            "nothing to resume. Wait for it to end (if it is stopped before it finishes, resume it "
+            f"then with resume={run_dir}), or start a new run without resume=."
+        )

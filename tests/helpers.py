@@ -247,7 +247,7 @@ def console_script(name, *arguments, cwd, timeout=600, env=None):
     """Run the installed console script ``name``; returns (exit code, stdout + stderr)."""
     command = [os.path.join(os.path.dirname(sys.executable), name), *arguments]
     environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    environment.update(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    environment.update({"TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})})
     result = subprocess.run(
         command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environment
     )

@@ -92,7 +92,7 @@ BAD = [
     (("probe.effective_sizes=[64]",), "probe.effective_sizes=[64] must list two or more"),
     (("micro_batch_size=auto",), "probe=batch reaches each size by accumulation"),
     (("dataset.validation_split=0",), "probe=batch compares the sizes by their val_loss"),
-    (("probe.tolerance=-1",), "probe.tolerance=-1 must be >= 0"),
+    (("probe.tolerance=-1",), "probe.tolerance=-1 must be >= 0 and finite"),
     (("check=equivalence",), "probe=batch and check= each run a job of their own"),
 ]
 

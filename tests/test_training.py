@@ -3,6 +3,7 @@
 import json
 import os
 
+import factories
 import keras
 import numpy as np
 import pytest
@@ -125,6 +126,29 @@ def test_user_factory_and_keras_applications(tmp_path):
         run(tmp_path / "bad", "model=factory", "model.factory=nowhere.at_all:build")
 
 
+def test_a_factory_may_return_an_unbuilt_subclassed_model(tmp_path):
+    """Its shapes are known once it is called: the runner calls it on one sample, checks it
+    against the data, and trains it (it used to fail on the model's missing input_shape)."""
+    run_dir, metrics = run(
+        tmp_path,
+        "model=factory",
+        "model.factory=factories:subclassed_classifier",
+        "+model.kwargs.width=8",
+        "epochs=1",
+        "steps_per_epoch=2",
+    )
+    assert np.isfinite(metrics["loss"])
+    assert json.load(open(os.path.join(run_dir, "result.json")))["optimizer_step"] == 2
+    # No get_config: the weights are saved instead of the whole model, and load into a new one.
+    assert not os.path.exists(os.path.join(run_dir, "model.keras"))
+    rebuilt = factories.subclassed_classifier((8, 8, 1), 10, "classification", width=8)
+    rebuilt(np.zeros((1, 8, 8, 1)))
+    rebuilt.load_weights(os.path.join(run_dir, "model.weights.h5"))
+    assert rebuilt.count_params() > 0
+    with pytest.raises(ConfigError, match="has 11 outputs but the data has 10 classes"):
+        run(tmp_path / "wrong", "model=factory", "model.factory=factories:wrong_outputs")
+
+
 def test_schedules_count_optimizer_updates_and_are_logged(tmp_path):
     run_dir, _ = run(
         tmp_path,
@@ -168,16 +192,28 @@ def test_linear_lr_scaling():
 
 
 def test_device_memory_and_hparams_are_logged(tmp_path, monkeypatch):
-    """No GPU here: the GPU memory reading is mocked; the tags and values must reach the file."""
+    """No GPU here: the GPU memory reading is mocked; the tags and values must reach the file.
+    tf32=off is in force while the job runs (the HParams tab and result.json say so) and the
+    caller's TF32 setting is back afterwards."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
     import gacli.runner.run_logging
 
     monkeypatch.setattr(gacli.runner.run_logging, "device_memory_bytes", lambda: (1234, 5678))
-    run_dir, _ = run(tmp_path, "epochs=1", "steps_per_epoch=2")
+    tf.config.experimental.enable_tensor_float_32_execution(True)
+    run_dir, _ = run(tmp_path, "epochs=1", "steps_per_epoch=2", "tf32=off")
+    assert tf.config.experimental.tensor_float_32_execution_enabled()
     tags, events = event_tags(run_dir)
     assert scalars(events, "memory/device_current_bytes") == [1234.0, 1234.0]
     assert scalars(events, "memory/device_peak_bytes") == [5678.0, 5678.0]
     assert all(value > 1e7 for value in scalars(events, "memory/host_rss_bytes"))
     assert "_hparams_/session_start_info" in tags
+    # The hparams travel in the summary's metadata, as the HParams plugin's content.
+    content = events.SummaryMetadata("_hparams_/session_start_info").plugin_data.content
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["tf32"].bool_value is False
+    assert hparams["accum_steps"].number_value > 0
+    assert json.load(open(os.path.join(run_dir, "result.json")))["tf32"] is False
 
 
 def test_mixed_float16_run_logs_loss_scale(tmp_path):

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import sys
 import typing
@@ -31,10 +32,12 @@ from gacli.report.files import (
 )
 from gacli.report.sweep import (
     ReportError,
+    Skipped,
     find_runs,
     is_run_dir,
     lower_is_better,
     metric_names,
+    printable_path,
     read_runs,
     record,
     shared_process,
@@ -54,9 +57,10 @@ _HELP = """ga-report: a sweep of ga-train runs at a glance, as a table and as pl
   ga-report outputs/unet multirun/unet --out cmp  several folders; files written to cmp/
   ga-report multirun/unet/<time> --sort samples_per_sec
 
-Finds every run under the paths (finished, interrupted or failed, each marked), prints one row a
-run, and writes report.md, report.json and PNG plots (validation against samples seen, speed and
-memory against the swept setting, loss against wall time) into the one folder given, or --out.
+Finds every run under the paths (finished, running, interrupted or failed, each marked; a
+finished probe=batch or check=equivalence run says so), prints one row a run, and writes
+report.md, report.json and PNG plots (validation against samples seen, speed and memory against
+the swept setting, loss against wall time) into the one folder given, or --out.
 The best value of each column is marked: lower is better for losses, wall time and memory,
 higher for samples/s and other metrics. The terminal shows the columns that fit its width; the
 files have them all. A run that cannot be read is named with the reason and left out. Files of
@@ -153,9 +157,10 @@ def _sortable(value):
     if value is None:
         return (2, 0, "")
     try:
-        return (0, float(value), "")
-    except (TypeError, ValueError):
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
         return (1, 0, str(value))
+    return (0, number, "") if not math.isnan(number) else (1, 0, "nan")
 
 
 def sort_rows(rows, columns, key=None, swept=()):
@@ -199,6 +204,8 @@ def format_value(column, row, short=False):
         return " x ".join("?" if p is None else str(p) for p in parts) + f" = {value}"
     if value is None:
         return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # nan, inf: a diverged run's logged metric, or a damaged event file
     if column.kind == "bytes":
         return f"{value / 2**20:,.0f} MiB"
     if column.kind == "seconds":
@@ -311,9 +318,9 @@ def markdown(table, paths, plots, skipped=(), memory_note=None):
         MARKDOWN_MARK,
         "# ga-report",
         "",
-        f"{len(rows)} runs under {', '.join(f'`{p}`' for p in paths)}. The best value of each "
-        "column is in **bold**: lower is better for losses, wall time and memory, higher for "
-        "training samples/s and the other metrics.",
+        f"{len(rows)} runs under {', '.join(f'`{printable_path(p)}`' for p in paths)}. The best "
+        "value of each column is in **bold**: lower is better for losses, wall time and memory, "
+        "higher for training samples/s and the other metrics.",
         "",
         "| " + " | ".join(column.header for column in shown) + " |",
         "|" + "|".join("---" if column.kind == "text" else "---:" for column in shown) + "|",
@@ -342,7 +349,7 @@ def report_json(table, swept, paths, skipped=(), shared=None):
         {
             "written_by": WRITTEN_BY,
             "created": datetime.datetime.now().isoformat(timespec="seconds"),
-            "paths": [os.path.abspath(path) for path in paths],
+            "paths": [printable_path(os.path.abspath(path)) for path in paths],
             "swept": list(swept),
             "columns": [
                 {"key": c.key, "header": c.header, "better": c.better, "shown": c.shown}
@@ -389,12 +396,7 @@ def run_report(paths, sort=None, out=None, plots=True, console=None):
     from gacli.report.run_events import use_tensorboard_stub
 
     use_tensorboard_stub(paths)
-    found, skipped = find_runs(paths)
-    runs, damaged = read_runs(found)
-    skipped = sorted(skipped + damaged, key=lambda place: place.path)
-    if console is not None:
-        for place in skipped:
-            print(f"ga-report: skipped {place.path}: {place.reason}", file=sys.stderr)
+    runs, skipped = _readable_runs(paths, console)
     if not runs:
         raise ReportError(
             f"no run under {', '.join(paths)} could be read: each of the {len(skipped)} places "
@@ -432,10 +434,29 @@ def run_report(paths, sort=None, out=None, plots=True, console=None):
     if console is not None:
         left_out = f"; {len(skipped)} left out (named above)" if skipped else ""
         console.print(
-            f"wrote report.md, report.json and {len(written)} plots to {out}{left_out}",
+            f"wrote report.md, report.json and {len(written)} plots to "
+            f"{printable_path(out)}{left_out}",
             soft_wrap=True,
         )
     return data
+
+
+def _readable_runs(paths, console):
+    """(the runs read under ``paths``, the places skipped, by path, each named on standard error
+    when there is a ``console``)."""
+    found, skipped = find_runs(paths)
+    runs, damaged = read_runs(found)
+    skipped = sorted(
+        (
+            Skipped(printable_path(place.path), printable_path(place.reason))
+            for place in skipped + damaged
+        ),
+        key=lambda place: place.path,
+    )
+    if console is not None:
+        for place in skipped:
+            print(f"ga-report: skipped {place.path}: {place.reason}", file=sys.stderr)
+    return runs, skipped
 
 
 def _check_ours(out, names, paths):

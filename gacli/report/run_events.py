@@ -13,6 +13,7 @@ instead, unless TensorFlow is already loaded or a path needs TensorFlow's file s
 
 import dataclasses
 import glob
+import math
 import os
 import sys
 import types
@@ -112,7 +113,8 @@ def read_file(path):
 
     points, first, last = {}, None, None
     for event in EventFileLoader(path).Load():
-        if event.wall_time:
+        # A damaged file's NaN or infinite time is no time: it would make the run's own endless.
+        if event.wall_time and math.isfinite(event.wall_time):
             first = event.wall_time if first is None else first
             last = event.wall_time
         if not event.HasField("summary"):

@@ -7,27 +7,46 @@ under ``outputs/<recipe>/``, or one run. A record's final metrics, updates and h
 from ``result.json`` when the run finished, from its event files otherwise; everything per update
 (samples seen, best values, samples/s, device memory) comes from the event files, each update
 counted once (:mod:`gacli.runner.run_logging` writes them, :mod:`gacli.report.run_events` reads them
-back).
+back). A finished ``probe=batch`` run has ``probe.json`` instead of ``result.json`` (its row is
+its critical size's), a finished ``check=equivalence`` run ``equivalence.json``; a run whose lock
+another process holds (:func:`gacli.rundir.live_holder`) is running, not interrupted.
 
 A run whose files cannot be read (cut short, not the format ga-train writes, unreadable) is not
-read at all: :func:`read_runs` names it with what is wrong, and the other runs are reported.
+read at all: :func:`read_runs` names it with what is wrong, and the other runs are reported. So is
+a run that holds a value ga-train never writes (a number too large for a float, NaN in JSON, text
+that is not Unicode, nesting deeper than Python recurses, a folder name that is not UTF-8).
 Event files are the exception: TensorBoard's reader keeps the events before a cut or a damaged
-record, which is what a killed process leaves.
+record, which is what a killed process leaves; a value in them that is not finite is a diverged
+run's metric (shown as it is) or no measurement (left out), and one in a batch tag leaves the run
+out.
 
 No TensorFlow here.
 """
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
+import stat
 
 from gacli.errors import ConfigError
 from gacli.report.run_events import event_files, read_run
-from gacli.rundir import FAILURE_FILE, LOCK_FILE, RESULT_FILE, has_restorable_checkpoint
+from gacli.rundir import (
+    EQUIVALENCE_FILE,
+    FAILURE_FILE,
+    LOCK_FILE,
+    PROBE_FILE,
+    RESULT_FILE,
+    has_restorable_checkpoint,
+    live_holder,
+)
 
 FINISHED, INTERRUPTED, FAILED, UNFINISHED = "finished", "interrupted", "failed", "unfinished"
+RUNNING = "running"  # another process holds the run's lock (gacli.rundir.lock) and trains in it
+# The largest file of a run ga-report reads: ga-train's own are a few kilobytes.
+_MAX_FILE_BYTES = 2**25
 # result.json keys that are not a metric of the model: settings, counters, memory, fingerprints.
 # A key that names a setting of the run's config (resolved.yaml) is not one either.
 _NOT_METRICS = {
@@ -146,12 +165,48 @@ def read_runs(paths):
     return runs, skipped
 
 
+def printable_path(path):
+    """``path`` (or a message naming one) as text that can be printed and written: a name that
+    is not UTF-8 (held by Python as surrogate escapes) with its bytes as ``\\xff``."""
+    try:
+        raw = os.fsencode(path)
+    except UnicodeEncodeError:
+        raw = path.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def _not_utf8(text):
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _why(error):
     return error.strerror or str(error)
 
 
+def _regular_file(path, name):
+    """DamagedRun when ``path`` is there but is not a file ga-report can read whole (a FIFO or a
+    device would hang or never end; a file of many megabytes is not ga-train's)."""
+    try:
+        mode = os.stat(path)
+    except OSError:
+        return  # missing or unreadable: the open that follows says which
+    if stat.S_ISDIR(mode.st_mode):
+        return
+    if not stat.S_ISREG(mode.st_mode):
+        what = "is not a regular file (a FIFO, socket or device)"
+        raise DamagedRun(f"{printable_path(name)} {what}")
+    if mode.st_size > _MAX_FILE_BYTES:
+        what = f"holds {mode.st_size:,} bytes, far more than ga-train writes"
+        raise DamagedRun(f"{printable_path(name)} {what}")
+
+
 def _read_text(run_dir, name):
     """The text of file ``name`` of the run, or None when there is none."""
+    _regular_file(os.path.join(run_dir, name), name)
     try:
         with open(os.path.join(run_dir, name), encoding="utf-8") as handle:
             return handle.read()
@@ -179,12 +234,17 @@ def _load_yaml(run_dir, name, expected):
     if text is None:
         return None
     try:
-        value = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        # The pure-Python loader: libyaml's (CSafeLoader) crashes the process on deep nesting.
+        value = yaml.load(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
         raise DamagedRun(f"{name} is not valid YAML{line} (cut short or edited?)") from None
-    return _of_type(value, expected, name)
+    except RecursionError:
+        raise DamagedRun(f"{name} is nested too deeply to be ga-train's") from None
+    except ValueError as error:  # an integer of more digits than Python converts
+        raise DamagedRun(f"{name} is not ga-train's: {str(error)[:80]}") from None
+    return _plain_text(_of_type(value, expected, name), name)
 
 
 def _load_json(run_dir, name):
@@ -193,26 +253,66 @@ def _load_json(run_dir, name):
         return None
     try:
         value = json.loads(text)
+    except RecursionError:
+        raise DamagedRun(f"{name} is nested too deeply to be ga-train's") from None
     except ValueError as error:
         raise DamagedRun(f"{name} is not valid JSON (cut short?): {error}") from None
-    return _of_type(value, dict, name)
+    return _plain_text(_of_type(value, dict, name), name)
+
+
+def _plain_text(value, name):
+    """``value`` when its text can be printed: JSON and YAML escapes can make lone surrogates
+    (``\\udcff``), which no terminal or UTF-8 file takes. Anchors that refer to themselves, or
+    nesting deeper than Python recurses, are not ga-train's either."""
+    try:
+        json.dumps(value, ensure_ascii=False, default=str, skipkeys=True).encode("utf-8")
+    except UnicodeEncodeError:
+        raise DamagedRun(f"{name} holds text that is not Unicode (a lone surrogate)") from None
+    except (ValueError, RecursionError):  # a circular reference, or nesting too deep
+        raise DamagedRun(f"{name} refers to itself or is nested too deeply") from None
+    return value
 
 
 def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _shown_value(value):
+    """``value`` for a one-line message: a long number by its digits, a long text cut short."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**20:
+        return f"a {len(str(abs(value)))}-digit number"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number_problem(value):
+    """Why ``value`` is not a number the report can print and compare; None when it is one."""
+    if not _is_number(value):
+        return "not a number"
+    try:
+        finite = math.isfinite(float(value))
+    except OverflowError:
+        return "too large for a number (ga-train writes floats)"
+    # ga-train writes null where a value is not finite (JSON has no NaN), and checks its batch.
+    return None if finite else "not a finite number"
+
+
 def _check_numbers(result, keys, name):
     for key in keys:
-        if result.get(key) is not None and not _is_number(result[key]):
-            raise DamagedRun(f"{name}: {key} is {result[key]!r}, not a number")
+        value = result.get(key)
+        problem = None if value is None else _number_problem(value)
+        if problem:
+            raise DamagedRun(f"{name}: {key} is {_shown_value(value)}, {problem}")
 
 
 def _whole_number(value, name, key):
     if value is None:
         return None
-    if not _is_number(value) or value != int(value):
-        raise DamagedRun(f"{name}: {key} is {value!r}, not a whole number")
+    problem = _number_problem(value)
+    if problem == "not a number" or problem is None and value != int(value):
+        problem = "not a whole number"
+    if problem is not None:
+        raise DamagedRun(f"{name}: {key} is {_shown_value(value)}, {problem}")
     return int(value)
 
 
@@ -223,14 +323,20 @@ class Run:
     Args:
         path: the run directory.
         overrides: key -> value of the command line it was first started with.
-        batch: micro_batch_size, accum_steps, replicas, effective_batch_size (``resolved.yaml``).
-        result: ``result.json`` (finished runs), else None.
+        batch: micro_batch_size, accum_steps, replicas, effective_batch_size (``resolved.yaml``;
+            a probe's critical size and a check's window from their records).
+        result: ``result.json`` (finished runs; a ``probe=batch`` run's: its critical size's
+            row of ``probe.json``), else None.
         failure: ``failure.json`` (runs that failed while training), else None.
         events: the merged :class:`~gacli.report.run_events.RunEvents`.
         command: the ``ga-train`` command that runs it again.
         settings: the top-level keys of the run's config (``resolved.yaml``).
         processes: ``host:pid`` of each process that trained it (event file names, lock file);
             empty when none is recorded.
+        finished_as: ``"probe=batch"`` or ``"check=equivalence"`` for a run that trains nothing
+            and finished (its ``probe.json`` or ``equivalence.json`` written), else None.
+        outcome: that record.
+        live: the lock file's first line while another process runs in the directory, else None.
     """
 
     path: str
@@ -242,11 +348,18 @@ class Run:
     command: str
     settings: frozenset = frozenset()
     processes: frozenset = frozenset()
+    finished_as: str = None
+    outcome: dict = None
+    live: str = None
 
     @property
     def status(self):
+        if self.finished_as == CHECK:
+            return FINISHED if self.outcome["passed"] else FAILED
         if self.result is not None:
             return FINISHED
+        if self.live is not None:
+            return RUNNING
         if has_restorable_checkpoint(self.path):
             return INTERRUPTED
         return FAILED if self.failure is not None else UNFINISHED
@@ -254,14 +367,29 @@ class Run:
     def status_text(self, short=False):
         """The status, with how often the run was resumed and why a failed run stopped (not
         when ``short``)."""
-        text = {INTERRUPTED: "interrupted (resumable)"}.get(self.status, self.status)
-        if self.failure is not None and self.result is None:
+        status = self.status
+        text = {INTERRUPTED: "interrupted (resumable)"}.get(status, status)
+        if self.finished_as == PROBE:
+            text += f" ({PROBE}: critical batch {self.batch['effective_batch_size']})"
+        elif self.finished_as == CHECK:
+            text += f" ({CHECK}: {'passed' if self.outcome['passed'] else 'not equivalent'})"
+        elif status == RUNNING:
+            holder = _LOCK_HOLDER.match(self.live)
+            if holder and not short:
+                text += f" (pid {holder[1]} on {holder[2]})"
+        elif self.failure is not None and self.result is None:
             reason = (str(self.failure.get("error", "")).splitlines() or ["?"])[0][:60]
-            exit_code = f"exit {self.failure.get('exit_code')}"
+            exit_code = f"exit {_shown_value(self.failure.get('exit_code'))}"
             text = f"failed ({exit_code}" + ("" if short else f": {reason}") + ")"
-            text += ", resumable" if self.status == INTERRUPTED else ""
+            text += ", resumable" if status == INTERRUPTED else ""
         starts = len(self.events.files)
         return text + (f", resumed {starts - 1}x" if starts > 1 else "")
+
+
+PROBE, CHECK = "probe=batch", "check=equivalence"
+# The keys of a probe.json size's row that are not the model's metrics.
+_PROBE_ROW = {"effective_batch_size", "accum_steps", "updates", "samples_per_second", "seconds"}
+_PROBE_ROW |= {"run_dir"}
 
 
 def _first_known(*values):
@@ -269,15 +397,63 @@ def _first_known(*values):
 
 
 def _read_events(path):
+    for file in event_files(path):
+        _regular_file(file, os.path.relpath(file, path))
     try:
         return read_run(path)
     except OSError as error:  # a folder named like an event file, no permission
         name = os.path.relpath(os.fsdecode(error.filename or "tensorboard"), path)
-        raise DamagedRun(f"{name} cannot be read ({_why(error)})") from None
+        raise DamagedRun(f"{printable_path(name)} cannot be read ({_why(error)})") from None
+    except UnicodeError:  # TensorBoard's reader takes UTF-8 file names only
+        raise DamagedRun("an event file's name is not valid UTF-8; rename it") from None
+
+
+def _probe_outcome(path):
+    """(probe.json, batch, result) of a finished ``probe=batch`` run: the batch and result of
+    its critical size's row."""
+    outcome = _load_json(path, PROBE_FILE)
+    critical = _whole_number(outcome.get("critical_batch_size"), PROBE_FILE, "critical_batch_size")
+    sizes = _of_type(outcome.get("sizes"), list, f"{PROBE_FILE}'s sizes:")
+    rows = [row for row in sizes if isinstance(row, dict)]
+    row = next((r for r in rows if r.get("effective_batch_size") == critical), None)
+    if critical is None or row is None:
+        raise DamagedRun(f"{PROBE_FILE}: no size is its critical_batch_size {critical!r}")
+    micro = _whole_number(outcome.get("micro_batch_size"), PROBE_FILE, "micro_batch_size")
+    accum = _whole_number(row.get("accum_steps"), PROBE_FILE, "accum_steps")
+    replicas = critical // (micro * accum) if micro and accum else None
+    batch = dict(
+        micro_batch_size=micro, accum_steps=accum, replicas=replicas, effective_batch_size=critical
+    )
+    result = {key: value for key, value in row.items() if key not in _PROBE_ROW}
+    result["optimizer_step"] = _whole_number(row.get("updates"), PROBE_FILE, "updates")
+    return outcome, batch, result
+
+
+def _check_outcome(path):
+    """(record, batch) of a finished ``check=equivalence`` run, from equivalence.json."""
+    outcome = _load_json(path, EQUIVALENCE_FILE)
+    if not isinstance(outcome.get("passed"), bool):
+        shown_passed = _shown_value(outcome.get("passed"))
+        raise DamagedRun(f"{EQUIVALENCE_FILE}: passed is {shown_passed}, not true or false")
+    window = _of_type(outcome.get("window") or {}, dict, f"{EQUIVALENCE_FILE}'s window:")
+    batch = {
+        key: _whole_number(window.get(key), EQUIVALENCE_FILE, key)
+        for key in ("micro_batch_size", "accum_steps", "replicas")
+    }
+    batch["replicas"] = 1 if batch["replicas"] is None else batch["replicas"]
+    known = [batch[key] for key in ("micro_batch_size", "accum_steps")]
+    batch["effective_batch_size"] = (
+        None if None in known else known[0] * known[1] * batch["replicas"]
+    )
+    return outcome, batch
 
 
 def read_run_dir(path):
     """The :class:`Run` in directory ``path``; DamagedRun when a file of it cannot be read."""
+    if _not_utf8(path):
+        raise DamagedRun(
+            "its path is not valid UTF-8, which TensorBoard's reader needs; rename the folder"
+        )
     if not os.path.isdir(path):
         raise DamagedRun("not a directory")
     overrides_name = os.path.join(".hydra", "overrides.yaml")
@@ -291,18 +467,26 @@ def read_run_dir(path):
     resolved = _of_type(config.get("resolved") or {}, dict, "resolved.yaml's resolved:")
     # What the run trained with last (oom=recover may have halved the micro-batch), else what
     # it started with.
-    batch = {
-        key: _whole_number(_first_known(events.last(tag), resolved.get(key)), "resolved.yaml", key)
-        for key, tag in (
-            ("micro_batch_size", "batch/micro_size"),
-            ("accum_steps", "batch/accum_steps"),
-            ("replicas", "batch/replicas"),
-            ("effective_batch_size", "batch/effective_size"),
-        )
-    }
+    batch = {}
+    for key, tag in (
+        ("micro_batch_size", "batch/micro_size"),
+        ("accum_steps", "batch/accum_steps"),
+        ("replicas", "batch/replicas"),
+        ("effective_batch_size", "batch/effective_size"),
+    ):
+        logged = events.last(tag)
+        where, name = ("resolved.yaml", key) if logged is None else ("tensorboard", tag)
+        batch[key] = _whole_number(_first_known(logged, resolved.get(key)), where, name)
     result = _load_json(path, RESULT_FILE)
     if result is not None:
         _check_numbers(result, _NUMBERS, RESULT_FILE)
+    finished_as, outcome = None, None
+    if result is None and os.path.exists(os.path.join(path, PROBE_FILE)):
+        finished_as = PROBE
+        outcome, batch, result = _probe_outcome(path)
+    elif result is None and os.path.exists(os.path.join(path, EQUIVALENCE_FILE)):
+        finished_as = CHECK
+        outcome, batch = _check_outcome(path)
     holder, launched = _lock_file_command(path)
     run = Run(
         path=path,
@@ -314,6 +498,9 @@ def read_run_dir(path):
         command=_command(launched, listed),
         settings=frozenset(config),
         processes=frozenset(_event_processes(events.files) + holder),
+        finished_as=finished_as,
+        outcome=outcome,
+        live=live_holder(path) if result is None and finished_as is None else None,
     )
     metric_names(run)  # DamagedRun when a metric of result.json is not a number
     return run
@@ -326,11 +513,12 @@ def _lock_file_command(path):
     """([``host:pid``] of the process that last held the run, the command it was started with)
     from the run's lock file; ([], []) when there is none or it is not one ga-train wrote."""
     try:
+        _regular_file(os.path.join(path, LOCK_FILE), LOCK_FILE)
         with open(os.path.join(path, LOCK_FILE)) as handle:
             text = handle.read()
         holder = _LOCK_HOLDER.match(text)
         launched = shlex.split(text.split(": ", 1)[-1])
-    except (OSError, ValueError):  # no lock file, or not one ga-train wrote: use overrides.yaml
+    except (OSError, ValueError, DamagedRun):  # none, or not ga-train's: use overrides.yaml
         return [], []
     return ([f"{holder[2]}:{holder[1]}"] if holder else []), launched
 
@@ -399,6 +587,11 @@ def _best(values, metric):
     return min(values) if lower_is_better(metric) else max(values)
 
 
+def _finite(values):
+    """The values an event file may hold that are finite (a damaged one can hold NaN or inf)."""
+    return [value for value in values if math.isfinite(value)]
+
+
 def _samples_seen(run):
     """Samples in the run's updates, each update once (None without logged updates)."""
     seen = samples_at_steps(run)
@@ -415,8 +608,8 @@ def record(run):
     result, events = run.result or {}, run.events
     steps = events.series.get("optimizer/step", [])
     updates = result.get("optimizer_step", steps[-1].step if steps else None)
-    device_peaks = events.values("memory/device_peak_bytes")
-    host_peaks = events.values("memory/host_peak_rss_bytes")
+    device_peaks = _finite(events.values("memory/device_peak_bytes"))
+    host_peaks = _finite(events.values("memory/host_peak_rss_bytes"))
     row = {
         **run.batch,
         "updates": updates,
@@ -458,6 +651,7 @@ def samples_at_steps(run):
         return {p.step: p.step * effective for p in run.events.series.get("optimizer/step", [])}
     seen, total, previous = {}, 0, 0
     for point in per_update:
-        total += point.value + max(point.step - previous - 1, 0) * effective
+        samples = point.value if math.isfinite(point.value) else effective
+        total += samples + max(point.step - previous - 1, 0) * effective
         seen[point.step], previous = int(total), point.step
     return seen

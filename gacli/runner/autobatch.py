@@ -54,8 +54,8 @@ class Probe:
 
 # The probe's table: the columns of Probe.row().
 HEADER = f"{'micro-batch':>11}  {'result':<13}  {'samples/s':>9}  peak device memory"
-# Sizes within this share of the fastest samples/s count as equally fast: two timed calls on a
-# shared machine differ by about that much.
+# Sizes within this share of the fastest samples/s count as equally fast: within the spread of
+# two timed calls of the same size.
 EQUALLY_FAST = 0.03
 
 

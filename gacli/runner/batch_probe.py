@@ -6,7 +6,9 @@ the same order, then evaluated on the validation data. Each branch is a plain :c
 own in ``<run dir>/branches/effective_<size>/``: the run that ``ga-train micro_batch_size=<m>
 effective_batch_size=<size> epochs=1 steps_per_epoch=<samples / size>`` would make
 (tests/test_batch_probe.py compares them), so accumulation reaches every size at the memory of one
-micro-batch and no branch sees another's model, optimizer or data stream.
+micro-batch and no branch sees another's model, optimizer or data stream. ``probe.samples`` larger
+than the training set (the default 2048 on the digits' 1438) is cut, with a printed line, to the
+largest multiple of every size within it, so that no branch sees a sample twice.
 
 The answer, ``critical_batch_size``, is the largest size whose val_loss is within
 ``probe.tolerance`` (a share) of the best one: beyond it a larger batch buys fewer updates with
@@ -187,8 +189,11 @@ def probe_batch(cfg, run_dir, parallel_jobs=False):
     console = make_console()
     console.print(f"run directory: {run_dir}", soft_wrap=True)
     sizes = sorted(set(cfg.probe.effective_sizes))
+    first_dir = os.path.join(run_dir, BRANCHES_DIR, f"effective_{sizes[0]}")
+    start = _start_point(cfg, BranchRun(branch_config(cfg, sizes[0]), first_dir), console)
+    cfg = start.cfg  # probe.samples within the training set
     samples = cfg.probe.samples
-    rows, start, metrics = [], None, {}
+    rows, metrics = [], {}
     for index, size in enumerate(sizes):
         branch_dir = os.path.join(run_dir, BRANCHES_DIR, f"effective_{size}")
         branch = BranchRun(branch_config(cfg, size), branch_dir, None, parallel_jobs)
@@ -198,8 +203,6 @@ def probe_batch(cfg, run_dir, parallel_jobs=False):
             style="bold",
             soft_wrap=True,
         )
-        if start is None:
-            start = _start_point(cfg, branch)
         branch.start_weights = start.weights if start.given else None
         final = branch.execute()
         metrics[size] = final
@@ -224,17 +227,52 @@ def probe_batch(cfg, run_dir, parallel_jobs=False):
     return dict(metrics[critical], critical_batch_size=critical)
 
 
-def _start_point(cfg, branch):
+def _start_point(cfg, branch, console=None):
     """The :class:`StartPoint` of the probe, made once the first branch has its plan and data
-    (which every branch shares: same seed, same split, same order)."""
+    (which every branch shares: same seed, same split, same order); its ``cfg`` holds
+    ``probe.samples`` within the training set (:func:`samples_within_training_set`)."""
     with_data = Run(branch.cfg, branch.run_dir, BRANCH_GIVEN)
     with_data.plan_batch()
     with _precision_policy(cfg.precision.policy):
         with_data.load_data()
+        cfg = samples_within_training_set(cfg, with_data.data.train_size, console or make_console())
         with_data.settle_plan()
         start = StartPoint(cfg, with_data)
         start.noise = start.noise_scale()
     return start
+
+
+def samples_within_training_set(cfg, train_size, console):
+    """``cfg`` with ``probe.samples`` at most the training set's ``train_size``: more would have
+    every branch pass over some samples twice. Cut to the largest multiple of every size within
+    the training set, with a printed line saying so; a ConfigError where no multiple fits."""
+    samples, sizes = cfg.probe.samples, sorted(set(cfg.probe.effective_sizes))
+    if samples <= train_size:
+        return cfg
+    common = math.lcm(*sizes)
+    where = (
+        f"the {train_size} training samples (dataset {cfg.dataset.name}, after "
+        f"validation_split={cfg.dataset.validation_split})"
+    )
+    if common > train_size:
+        raise ConfigError(
+            f"probe.samples={samples} is more than {where}, and no number of samples within them "
+            f"is a multiple of every size in probe.effective_sizes={sizes} (the smallest common "
+            f"multiple is {common}): every branch trains on the same samples, each once, in "
+            f"whole updates. Use sizes whose smallest common multiple is {train_size} or less "
+            "(powers of two divide each other), or more data."
+        )
+    kept = train_size // common * common
+    console.print(
+        f"probe=batch: probe.samples={samples} is more than {where}; every branch trains on "
+        f"{kept} (the largest multiple of every size within them), so no sample is seen twice. "
+        f"Give probe.samples={kept} or less to choose it yourself.",
+        style="yellow",
+        soft_wrap=True,
+    )
+    cfg = copy.deepcopy(cfg)
+    cfg.probe.samples = kept
+    return cfg
 
 
 def _metric_name(rows):

@@ -6,14 +6,24 @@ TensorFlow is imported only once a config has composed and validated, so ``--hel
 errors answer at once.
 """
 
+import contextlib
 import os
+import signal
 import sys
 import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, field
 from importlib import metadata, resources
 
 from gacli import rundir
-from gacli.errors import EXIT_USAGE, ConfigError, Interrupted, ProcessUnusable, TrainingFailed
+from gacli.errors import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    ConfigError,
+    Interrupted,
+    ProcessUnusable,
+    TrainingFailed,
+)
 from gacli.runner.config import FREE_ON_RESUME, GROUPS, check_tolerance_argument
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -149,13 +159,14 @@ def _last_unfinished_run(label, assignments):
     """
     root = os.path.join("outputs", label)
     runs = sorted(os.listdir(root), reverse=True) if os.path.isdir(root) else []
+    # A finished probe=batch or check=equivalence run has no result.json, but is finished too.
     unfinished = [
-        os.path.join(root, run)
-        for run in runs
-        if not os.path.exists(os.path.join(root, run, rundir.RESULT_FILE))
+        os.path.join(root, run) for run in runs if not rundir.finished_as(os.path.join(root, run))
     ]
     same = [run_dir for run_dir in unfinished if _same_command(run_dir, assignments)]
     for run_dir in same:
+        if rundir.live_holder(run_dir) is not None:
+            rundir.check_resumable(run_dir, "resume=true")  # the newest is running: refused
         if rundir.has_restorable_checkpoint(run_dir):
             return run_dir
     if same:
@@ -164,6 +175,11 @@ def _last_unfinished_run(label, assignments):
             f"go on from ({'; '.join(same[:3])} stopped before their first). Start the command "
             "again without resume=; a run whose checkpoints were deleted cannot be continued."
         )
+    for run in runs:  # this command's newest probe or check says why it is not resumed
+        run_dir = os.path.join(root, run)
+        if rundir.finished_as(run_dir) not in (None, "training"):
+            if _same_command(run_dir, assignments):
+                rundir.check_resumable(run_dir, "resume=true")
     listed = "; ".join(unfinished[:3]) or "none"
     raise ConfigError(
         f"resume=true found no unfinished run of this command under {root}/ (unfinished runs "
@@ -245,11 +261,7 @@ def _resolve_resume(overrides, label):
             f"resume={value}: {run_dir} is not a directory; give the directory of the run to "
             "continue (ga-train prints it at start), or resume=true for this command's last one."
         )
-    if os.path.exists(os.path.join(run_dir, rundir.RESULT_FILE)):
-        raise ConfigError(
-            f"resume={value}: {run_dir} holds a finished run; there is nothing to resume. Start a "
-            "new run without resume=."
-        )
+    rundir.check_resumable(run_dir, f"resume={value}")
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     return [o for o in rest if _key(o) != "hydra.run.dir"] + [
         f"resume='{run_dir}'",
@@ -278,6 +290,22 @@ class _Launch:
     kept_dir: str = None  # a hydra.run.dir that existed before this run: never removed
     started: bool = False  # a job began here; before it, an exit of 1 is Hydra's config error
     in_other_process: bool = False  # jobs run by a launcher's processes (joblib, submitit)
+    multirun: bool = False  # -m
+    run_dir: str = None  # the directory of the job that runs (or ran last) in this process
+    jobs: int = 0  # jobs of a sweep begun in this process
+    completed: int = 0  # of them, those that returned an objective
+    searching: bool = False  # under a sweeper that optimises (Optuna): failed trials end at 0
+    failures: list = field(default_factory=list)  # _Failure of each job that ended early here
+    sweep_dir: str = None  # a multirun's hydra.sweep.dir
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A sweep's job that was refused (exit code 2) or failed in training (1), and why."""
+
+    job: str  # "#<num> (<its overrides>)"
+    exit_code: int
+    reason: str
 
 
 def _check_run_dirs(options, assignments, launch):
@@ -339,16 +367,68 @@ def main(argv=None):
         print(_HYDRA_HELP)
         return 0
     launch = _Launch(command=" ".join(["ga-train", *argv]))
+    with _stop_before_training(launch):
+        try:
+            checked = _check_command_line(argv, launch)
+        except ConfigError as error:
+            return _error(error)
+        except AlreadyFinished as finished:
+            print(f"ga-train: {finished}", file=sys.stderr)
+            return 0
+        if checked is None:
+            return 0  # --help was printed
+        return _run_hydra(checked, launch)
+
+
+@contextlib.contextmanager
+def _stop_before_training(launch):
+    """SIGTERM and SIGINT outside training (while Hydra composes, TensorFlow loads, the data and
+    the model are made) end ga-train at once with one line saying what was saved, and exit code
+    128 + N. While it trains, training's own handler takes over and stops after a checkpoint
+    (gacli.runner.runstate.StopSignals; micro_batch_size=auto's probe has its own too), then
+    hands back to this one."""
+    previous = {}
+    for number in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[number] = signal.signal(number, lambda n, frame: _stopped(n, launch))
+        except ValueError:  # not the main thread: leave signals alone
+            pass
     try:
-        checked = _check_command_line(argv, launch)
-    except ConfigError as error:
-        return _error(error)
-    except AlreadyFinished as finished:
-        print(f"ga-train: {finished}", file=sys.stderr)
-        return 0
-    if checked is None:
-        return 0  # --help was printed
-    return _run_hydra(checked, launch)
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _stopped(number, launch):
+    """End the process on signal ``number`` outside training, saying what its run directory
+    keeps; a new run's directory that holds nothing yet is removed (rundir.discard_unstarted)."""
+    name = signal.Signals(number).name
+    message = f"stopped by {name} before training started: nothing was trained or saved."
+    # The directory this process holds; else the last job's (released when the job ended).
+    run_dirs = rundir.held() or ([launch.run_dir] if launch.run_dir else [])
+    for run_dir in run_dirs:
+        what = rundir.finished_as(run_dir)
+        if what is not None:
+            message = f"stopped by {name} after the run finished; its results are in {run_dir}."
+        elif rundir.checkpoint_numbers(run_dir):
+            message = (
+                f"stopped by {name} outside training, without a new checkpoint; the checkpoints "
+                f"in {run_dir} are kept: continue with resume={run_dir}."
+            )
+        else:
+            rundir.discard_unstarted(run_dir)
+            removed = (
+                "" if os.path.isdir(run_dir) else f", and its run directory {run_dir} is removed"
+            )
+            message = (
+                f"stopped by {name} before training started: nothing was trained or saved{removed}."
+            )
+    if launch.multirun and launch.started:
+        message += " The sweep's jobs that ended before it keep their directories."
+    sys.stdout.flush()
+    print(f"ga-train: {message}", file=sys.stderr, flush=True)
+    os._exit(128 + number)  # at once: TensorFlow may be half-started, nothing is left to save
 
 
 def _check_command_line(argv, launch):
@@ -364,6 +444,7 @@ def _check_command_line(argv, launch):
             )
         )
         return None
+    rundir.is_chief()  # a TF_CONFIG that cannot be read is refused here, before Hydra starts
     from gacli.runner.user_config import check_overrides, check_user_yaml
 
     if not config_path.startswith("pkg://"):
@@ -393,6 +474,7 @@ def _check_command_line(argv, launch):
     )
     overrides = _resolve_resume(_resume_after_requeue(overrides), label)
     assignments = [a for a in overrides if not (a.startswith("-") or "=" not in a)]
+    launch.multirun = any(o in ("-m", "--multirun") for o in options)
     if not any(o.startswith(("--cfg", "--info", "-c", "-i")) for o in options):
         _check_run_dirs(options, assignments, launch)
     return _Command(config_path, config_name, label, options, assignments, overrides)
@@ -404,9 +486,47 @@ def _run_hydra(command, launch):
 
     from gacli.runner.config import register_configs
 
-    overrides, assignments = command.overrides, command.assignments
-
     register_configs()
+    assignments, extra = _hydra_overrides(command)
+    if _shows_job_config(command.options):
+        try:
+            _validate_shown_config(command, assignments + extra)
+        except ConfigError as error:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            return _error(error)
+
+    def task(cfg):
+        return _task(cfg, launch)
+
+    saved_argv = sys.argv
+    sys.argv = [sys.argv[0] if sys.argv else "ga-train"]
+    sys.argv += command.options + assignments + extra
+    try:
+        hydra.main(
+            version_base="1.3", config_path=command.config_path, config_name=command.config_name
+        )(task)()
+    except SystemExit as stop:
+        if launch.failures and not launch.searching:  # a later job ended the sweep
+            _end_of_sweep(launch)
+        if stop.code == 1 and not launch.started:
+            from gacli.runner.plugins import FAILED_JOBS
+
+            # A job another process ran failed (Hydra printed its paragraph): its exit code.
+            # Otherwise Hydra could not compose the config, and said why.
+            return max(FAILED_JOBS) if FAILED_JOBS else EXIT_USAGE
+        raise
+    finally:
+        sys.argv = saved_argv
+    if launch.failures and not launch.searching:
+        return _end_of_sweep(launch)
+    return 0
+
+
+def _hydra_overrides(command):
+    """(the command's assignments, the overrides gacli adds): its config, where runs and sweeps
+    go, and its logging."""
+    overrides, assignments = command.overrides, command.assignments
     # hydra/job_logging=stdout: Python logging to the terminal only, no empty <job>.log per run.
     extra = [
         f"config={command.label}",
@@ -429,46 +549,72 @@ def _run_hydra(command, launch):
             "hydra.sweep.subdir=${hydra.job.num}_${hydra.job.override_dirname}",
             "hydra.job.config.override_dirname.exclude_keys=[config]",
         ]
+    return assignments, extra
 
-    def task(cfg):
-        return _task(cfg, launch)
 
-    saved_argv = sys.argv
-    sys.argv = [sys.argv[0] if sys.argv else "ga-train"]
-    sys.argv += command.options + assignments + extra
+def _shows_job_config(options):
+    """Whether the options ask Hydra to print the job's config (``--cfg job`` or ``--cfg all``)."""
+    for index, option in enumerate(options):
+        if option.startswith(("--cfg=", "-c=")):
+            shown = option.split("=", 1)[1]
+        elif option in ("--cfg", "-c") and index + 1 < len(options):
+            shown = options[index + 1]
+        else:
+            continue
+        if shown in ("job", "all"):
+            return True
+    return False
+
+
+def _validate_shown_config(command, overrides):
+    """``--cfg job`` prints the config without running the job: the config is composed here and
+    checked as a run checks it before training, so that a config a run refuses is refused here
+    too (ConfigError). A config Hydra itself cannot compose is left to Hydra, which says why."""
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from gacli.runner import objective
+    from gacli.runner.config import validate
+
+    if command.config_path.startswith("pkg://"):
+        initialize = initialize_config_module(
+            command.config_path[len("pkg://") :], version_base="1.3"
+        )
+    else:
+        initialize = initialize_config_dir(command.config_path, version_base="1.3")
     try:
-        hydra.main(
-            version_base="1.3", config_path=command.config_path, config_name=command.config_name
-        )(task)()
-    except SystemExit as stop:
-        if stop.code == 1 and not launch.started:
-            from gacli.runner.plugins import FAILED_JOBS
-
-            # A job another process ran failed (Hydra printed its paragraph): its exit code.
-            # Otherwise Hydra could not compose the config, and said why.
-            return max(FAILED_JOBS) if FAILED_JOBS else EXIT_USAGE
-        raise
-    finally:
-        sys.argv = saved_argv
-    return 0
+        with initialize:
+            cfg = compose(command.config_name, overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException):
+        return
+    given = {_key(override) for override in cfg.hydra.overrides.task if "=" in override}
+    validate(cfg, given)
+    objective.check(cfg.objective, cfg.dataset.validation_split, None)
 
 
 def _task(cfg, launch):
     """One job: validate, train, return the objective a sweeper optimises (gacli.runner.objective).
 
     Under a sweeper that optimises (Optuna), a job that fails on its settings or in training
-    returns None, a failed trial, and the search goes on; elsewhere it ends the command with its
-    exit code.
+    returns None, a failed trial, and the search goes on (a search none of whose trials completed
+    ends with their reasons). In a sweep whose jobs run one after another in this process (Hydra's
+    basic launcher), such a job is recorded, the next one starts, and the sweep's end names it
+    (:func:`_end_of_sweep`). Elsewhere it ends the command with its exit code.
     """
     from hydra.core.hydra_config import HydraConfig
 
     from gacli.runner import objective
 
     launch.started = True
+    launch.jobs += 1
     hydra_config = HydraConfig.get()
     launch.in_other_process = _parallel_jobs(hydra_config)
     run_dir = hydra_config.runtime.output_dir
+    launch.run_dir = run_dir
     directions = _sweeper_directions(hydra_config)
+    launch.searching = directions is not None
+    launch.sweep_dir = hydra_config.sweep.dir
     try:
         objective.check(cfg.objective, cfg.dataset.validation_split, directions)
     except ConfigError as error:  # the same for every trial: the sweep itself is wrong
@@ -478,13 +624,11 @@ def _task(cfg, launch):
         if metrics is None:  # check=equivalence passed: nothing was trained, no objective
             return None
         name = objective.metric_name(cfg.objective, cfg.dataset.validation_split)
-        return objective.value(name, metrics)
+        value = objective.value(name, metrics)
+        launch.completed += 1
+        return value
     except (ConfigError, TrainingFailed) as error:
-        if directions is None or isinstance(error, ProcessUnusable):
-            _exit_on(error, run_dir, cfg, launch)
-        _record(error, run_dir, cfg, launch)
-        print(f"ga-train: this trial failed, the sweep goes on: {error}", file=sys.stderr)
-        return objective.FAILED
+        return _job_failed(error, cfg, hydra_config, run_dir, launch)
     except Interrupted as stop:
         _exit_on(stop, run_dir, cfg, launch)
     except Exception as error:
@@ -493,6 +637,83 @@ def _task(cfg, launch):
         raise  # an error nobody foresaw: Hydra prints where it happened, exit code 1
     finally:
         rundir.release(run_dir)
+
+
+def _job_failed(error, cfg, hydra_config, run_dir, launch):
+    """A job refused on its settings or failed in training: the command ends with its exit
+    code, or (a sweep whose jobs run in turn here, or a search) it is recorded and the sweep goes
+    on: None for the launcher, a failed trial for a search."""
+    from hydra.types import RunMode
+
+    from gacli.runner import objective
+
+    in_turn = hydra_config.mode == RunMode.MULTIRUN and not launch.in_other_process
+    if isinstance(error, ProcessUnusable) or not (launch.searching or in_turn):
+        _exit_on(error, run_dir, cfg, launch)
+    _record(error, run_dir, cfg, launch)
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        traceback.print_exception(error)
+    job = " ".join(o for o in hydra_config.overrides.task if _key(o) != "config")
+    launch.failures.append(
+        _Failure(f"#{hydra_config.job.num} ({job})", error.exit_code, str(error))
+    )
+    if not launch.searching:
+        # Jobs run one after another here (Hydra's basic launcher): the next one is started and
+        # the sweep's end names the jobs that did not finish.
+        what = "was refused" if error.exit_code == EXIT_USAGE else "failed"
+        print(
+            f"ga-train: job {launch.failures[-1].job} {what}, the sweep goes on: {error}",
+            file=sys.stderr,
+        )
+        return None
+    if _no_trial_can_complete(hydra_config, launch):
+        sys.exit(_end_of_sweep(launch))
+    print(f"ga-train: this trial failed, the sweep goes on: {error}", file=sys.stderr)
+    return objective.FAILED
+
+
+def _no_trial_can_complete(hydra_config, launch):
+    """Whether this was an Optuna search's last trial and none of them completed, every one run
+    here: Optuna would end it with "No trials are completed yet" and a traceback."""
+    sweeper = hydra_config.sweeper
+    trials = sweeper.get("n_trials")
+    return (
+        trials is not None
+        and sweeper.get("storage") is None  # a stored study may hold trials of earlier sweeps
+        and not launch.in_other_process
+        and launch.completed == 0
+        and hydra_config.job.num + 1 >= trials
+    )
+
+
+def _end_of_sweep(launch):
+    """Print, as one paragraph, the sweep's jobs that did not finish and why; the exit code: 2
+    if every one was refused on its input, else 1. Each is printed once."""
+    failures, launch.failures = launch.failures, []
+    refused = all(failure.exit_code == EXIT_USAGE for failure in failures)
+    kind = "trials" if launch.searching else "jobs"
+    by_reason = {}  # the same reason, for several jobs, is said once
+    for failure in failures:
+        by_reason.setdefault((failure.exit_code, failure.reason), []).append(failure.job)
+    ended = []
+    for (code, reason), jobs in by_reason.items():
+        what = (
+            "failed" if code != EXIT_USAGE else "was refused" if len(jobs) == 1 else "were refused"
+        )
+        ended.append(f"{', '.join(jobs)} {what}: {reason.rstrip('.')}.")
+    if launch.searching and launch.completed == 0:
+        head = (
+            f"no trial of the search completed, so it has no best one ({len(failures)} {kind} ran)."
+        )
+    else:
+        head = f"{len(failures)} of the sweep's {launch.jobs} {kind} did not finish."
+    tail = (
+        "Nothing of a refused job was trained; fix its setting and run it on its own."
+        if refused
+        else f"A failed job keeps its checkpoints and failure.json under {launch.sweep_dir}."
+    )
+    print(f"ga-train: {head} {' '.join(ended)} {tail}", file=sys.stderr, flush=True)
+    return EXIT_USAGE if refused else EXIT_FAILURE
 
 
 def _train(cfg, hydra_config, run_dir, launch):
@@ -507,8 +728,12 @@ def _train(cfg, hydra_config, run_dir, launch):
     validate(cfg, given)
     _resume_requeued_job(cfg, run_dir)
     _join_slurm_cluster(cfg)
+    _refuse_lone_worker(cfg, run_dir, launch)
     if rundir.is_chief():
         rundir.lock(run_dir, launch.command)
+    # Every command that writes a run directory (training, probe=batch, check=equivalence) is
+    # refused a finished one; under -m the command line could not check the job's directory.
+    rundir.check_usable(run_dir, cfg.resume)
     from gacli.runner.quiet import tensorflow_startup
 
     with tensorflow_startup():
@@ -549,6 +774,28 @@ def _join_slurm_cluster(cfg):
         )
 
 
+def _refuse_lone_worker(cfg, run_dir, launch):
+    """A process that is not its cluster's chief never writes the run directory; under a strategy
+    of one process it would train alone and save nothing: refused before training."""
+    from gacli.runner.config import StrategyName
+
+    role = rundir.cluster_role()
+    if role is None or cfg.strategy.name == StrategyName.multi_worker:
+        return
+    if os.path.isdir(run_dir) and not os.listdir(run_dir):
+        # The empty directory Hydra made for this process: held, so that the refusal removes it.
+        with contextlib.suppress(ConfigError):
+            rundir.lock(run_dir, launch.command)
+    variable = "TF_CONFIG" if os.environ.get("TF_CONFIG") else "SLURM_PROCID"
+    raise ConfigError(
+        f"this process is {role}, not its cluster's chief, and only the chief writes the run "
+        f"directory; strategy={cfg.strategy.name.value} trains in this one process, so it would "
+        "train alone and save nothing. To train with the other workers, add "
+        "strategy=multi_worker (under SLURM: strategy=multi_worker strategy.cluster=slurm); to "
+        f"train on its own, unset {variable} (a process on its own is its own chief)."
+    )
+
+
 def _resume_requeued_job(cfg, run_dir):
     """A job that SLURM started again inside a launcher (submitit requeues a preempted job and
     runs the same job in the same directory) goes on from its checkpoints."""
@@ -567,6 +814,11 @@ def _record(error, run_dir, cfg, launch):
     """What a failed job leaves: failure.json after training began; nothing before it."""
     if isinstance(error, ConfigError) or getattr(error, "before_training", False):
         if not cfg.resume and os.path.realpath(run_dir) != os.path.realpath(launch.kept_dir or ""):
+            if rundir.is_chief() and os.path.isdir(run_dir):
+                # Taken now if no run holds it (the error may come before the job takes it):
+                # a directory this job made goes; one another run made or holds stays.
+                with contextlib.suppress(ConfigError):
+                    rundir.lock(run_dir, launch.command)
             rundir.discard_unstarted(run_dir)
     elif isinstance(error, TrainingFailed) and rundir.is_chief():
         rundir.record_failure(run_dir, error.exit_code, str(error))

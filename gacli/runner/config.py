@@ -8,13 +8,14 @@ Nothing here imports TensorFlow: a config error must answer in well under two se
 """
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from gacli.engine.options import BatchNormPolicy, NonFinite, PartialWindow
+from gacli.engine.options import TF32, BatchNormPolicy, NonFinite, PartialWindow
 from gacli.engine.settings import AccumulationConfig
 from gacli.errors import ConfigError, Interrupted  # noqa: F401  (imported from here by callers)
 from gacli.runner.accum_schedule import check_schedule
@@ -186,8 +187,8 @@ class StrategyConfig:
 @dataclass
 class MonitorConfig:
     # The gradient noise scale from the micro-batches: TensorBoard's gns/ tags and a line in the
-    # run's summary that compares it with the effective batch. Off by default: it cost the MLP
-    # benchmark about 5% of its speed, with XLA and without (docs/guides/batch-size.md).
+    # run's summary that compares it with the effective batch. Off by default: it costs a
+    # squared norm of every micro-batch's gradients (its cost: docs/performance.md).
     gns: bool = False
     # Measure it on every n-th window only (its micro-batches and its whole), by the update
     # count: the squared norms of the others are not computed for it (without XLA on a CPU the
@@ -253,6 +254,9 @@ class TrainConfig:
     steps_per_epoch: Optional[int] = None  # optimizer updates per epoch (None: one data pass)
     seed: int = 0  # initial weights, data order and dropout: a run with the same seed repeats
     jit_compile: bool = False  # compile the train step with XLA
+    # TensorFloat-32 on Ampere and newer GPUs: auto keeps TensorFlow's default (on), which rounds
+    # float32 products' inputs to 10 mantissa bits; off for float32 exactness (no effect on CPUs).
+    tf32: TF32 = TF32.auto
     # Micro-batches per compiled call of the train step (None: accum_steps, one window a call;
     # 1 for wrapper=optimizer under several replicas, where Keras' own loop over steps fails).
     steps_per_execution: Optional[int] = None
@@ -346,12 +350,36 @@ def resolve_batch(micro_batch_size, accum_steps, effective_batch_size, replicas,
         return BatchPlan(micro, effective // per_update, replicas)
     per_micro = accum * replicas
     if effective % per_micro:
-        raise ConfigError(
-            f"effective_batch_size={effective} is not a multiple of accum_steps x replicas = "
-            f"{accum} x {replicas} = {per_micro}; set micro_batch_size instead, e.g. "
-            f"micro_batch_size={max(1, effective // per_micro)}."
-        )
+        raise ConfigError(_no_micro_batch_gives(effective, accum, replicas))
     return BatchPlan(effective // per_micro, accum, replicas)
+
+
+def _no_micro_batch_gives(effective, accum, replicas):
+    """Why no micro-batch gives ``effective`` at ``accum`` x ``replicas``, and the nearest
+    settings that work: each one named gives exactly the effective batch it states."""
+    per_micro = accum * replicas
+    lower = effective // per_micro
+    near = " or ".join(
+        f"accum_steps={accum} micro_batch_size={size} (effective batch {size * per_micro})"
+        for size in (lower, lower + 1)
+        if size >= 1
+    )
+    message = (
+        f"effective_batch_size={effective} is not a multiple of accum_steps x replicas = "
+        f"{accum} x {replicas} = {per_micro}, so no micro_batch_size gives it exactly; set "
+        f"micro_batch_size instead of effective_batch_size: {near}"
+    )
+    if effective % replicas == 0 and effective // replicas <= 10**12:
+        per_replica = effective // replicas
+        small = [k for k in range(1, math.isqrt(per_replica) + 1) if per_replica % k == 0]
+        divisors = sorted({*small, *(per_replica // k for k in small)})
+        below = [k for k in divisors if k < accum][-1:]
+        above = [k for k in divisors if k > accum][:1]
+        kept = " or ".join(
+            f"accum_steps={k} (micro-batches of {per_replica // k})" for k in below + above
+        )
+        message += f"; or keep effective_batch_size={effective} with {kept}"
+    return message + "."
 
 
 def _chosen_batch_values(micro_batch_size, accum_steps, effective_batch_size, given):
@@ -585,11 +613,6 @@ def _validate_check(cfg):
             "compares float32 updates (the contract's tolerances are float32 round-off); drop "
             "precision= or use precision=fp32",
         ),
-        "optimizer.use_agc": (
-            cfg.optimizer.use_agc,
-            "compares with plain Keras, which has no adaptive gradient clipping; drop "
-            "optimizer.use_agc=true for the check",
-        ),
     }
     for key, (given, what_to_do) in refused.items():
         if given:
@@ -662,25 +685,7 @@ def _validate_probe(cfg, replicas):
             "critical batch, measured) or leave probe out for one run."
         )
     sizes, samples = probe.get("effective_sizes"), probe.get("samples")
-    tolerance = probe.get("tolerance")
-    example = "e.g. probe=batch probe.effective_sizes=[16,64,256] probe.samples=2048"
-    whole = lambda value: isinstance(value, int) and not isinstance(value, bool)  # noqa: E731
-    if (
-        not isinstance(sizes, Sequence)
-        or len(sizes) < 2
-        or not all(whole(size) and size >= 1 for size in sizes)
-    ):
-        raise ConfigError(
-            f"probe.effective_sizes={sizes} must list two or more effective batch sizes, whole "
-            f"numbers >= 1, {example}."
-        )
-    if not whole(samples) or samples < 1:
-        raise ConfigError(f"probe.samples={samples} must be a whole number >= 1, {example}.")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0:
-        raise ConfigError(
-            f"probe.tolerance={tolerance} must be >= 0 (the share of the best val_loss a size may "
-            "lose and still count), e.g. probe.tolerance=0.05."
-        )
+    _validate_probe_values(sizes, samples, probe.get("tolerance"))
     _validate_probe_sizes(cfg, sizes, samples, replicas)
     if not cfg.dataset.validation_split:
         raise ConfigError(
@@ -696,6 +701,41 @@ def _validate_probe(cfg, replicas):
         raise ConfigError(
             "probe=batch and check= each run a job of their own; run them as two commands, "
             "e.g. ga-train probe=batch first, then ga-train check=equivalence."
+        )
+
+
+def _validate_probe_values(sizes, samples, tolerance):
+    """``probe.effective_sizes``, ``probe.samples`` and ``probe.tolerance`` on their own."""
+    example = "e.g. probe=batch probe.effective_sizes=[16,64,256] probe.samples=2048"
+    whole = lambda value: isinstance(value, int) and not isinstance(value, bool)  # noqa: E731
+    if (
+        not isinstance(sizes, Sequence)
+        or len(sizes) < 2
+        or not all(whole(size) and size >= 1 for size in sizes)
+    ):
+        raise ConfigError(
+            f"probe.effective_sizes={sizes} must list two or more effective batch sizes, whole "
+            f"numbers >= 1, {example}."
+        )
+    if not whole(samples) or samples < 1:
+        raise ConfigError(f"probe.samples={samples} must be a whole number >= 1, {example}.")
+    if len(set(sizes)) != len(sizes):
+        repeated = sorted({size for size in sizes if list(sizes).count(size) > 1})
+        distinct = sorted(set(sizes))
+        distinct += [4 * distinct[0]] if len(distinct) < 2 else []
+        raise ConfigError(
+            f"probe.effective_sizes={list(sizes)} lists {repeated[0]} more than once; each size "
+            f"is one branch of the probe, so list each once, e.g. probe.effective_sizes="
+            f"[{','.join(str(size) for size in distinct)}]."
+        )
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, (int, float))
+        or not 0 <= tolerance < float("inf")
+    ):
+        raise ConfigError(
+            f"probe.tolerance={tolerance} must be >= 0 and finite (the share of the best val_loss "
+            "a size may lose and still count), e.g. probe.tolerance=0.05."
         )
 
 

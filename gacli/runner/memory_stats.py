@@ -34,8 +34,8 @@ _FIELD = re.compile(rb"^(VmRSS|VmHWM):\s+(\d+)", re.MULTILINE)
 def _read_status():
     """This process's ``/proc/self/status``, or None without one. The file stays open and is read
     from its start each time (the kernel writes it afresh on every read): the logger reads it
-    once an update, and an open and a parse line by line took 0.18 ms, a hundredth of a small
-    model's update. A forked child opens its own."""
+    once an update, so an open and a line-by-line parse each time would be paid on every
+    update. A forked child opens its own."""
     global _status
     pid, fd = _status
     try:
@@ -70,7 +70,7 @@ def host_memory_bytes():
 @functools.cache
 def _memory_devices():
     """Logical devices whose memory TensorFlow tracks: GPUs and TPUs (not the CPU). Listed once a
-    job (:func:`reset_memory_peaks` lists them again): listing them took 20 us an update."""
+    job (:func:`reset_memory_peaks` lists them again), not once an update."""
     return [
         device.name.split("device:")[-1]
         for kind in ("GPU", "TPU")

@@ -11,6 +11,7 @@ would end it (optuna 2.10 refuses to be told NaN).
 No TensorFlow import.
 """
 
+import difflib
 import math
 
 from gacli.errors import ConfigError
@@ -19,6 +20,10 @@ MINIMIZE, MAXIMIZE = "minimize", "maximize"
 FAILED = None
 _SMALLER_IS_BETTER = ("loss", "error", "crossentropy", "mse", "mae", "mape", "msle", "hinge")
 _LARGER_IS_BETTER = ("accuracy", "acc", "iou", "auc", "precision", "recall", "f1", "dice", "r2")
+# Every metric a ga-train run can log (gacli.runner.train.loss_and_metrics compiles them): the loss
+# and one compiled metric, accuracy, or iou for masks of one class; val_ of each with validation
+# data. A sweep whose objective is none of them is refused before its first trial trains.
+LOGGED = ("loss", "accuracy", "iou")
 
 
 def metric_name(objective, validation_split):
@@ -50,7 +55,18 @@ def check(objective, validation_split, sweeper_directions):
             "dataset.validation_split=0.1."
         )
     if sweeper_directions is None:
-        return
+        return  # one run: check_metric names the metrics of its data before training
+    # A sweep's objective is the same for every trial: a name no run logs ends the sweep here,
+    # where every trial would otherwise train and then fail, leaving the sweeper no result.
+    if objective.removeprefix("val_") not in LOGGED:
+        known = [*LOGGED, *(f"val_{name}" for name in LOGGED)] if validation_split else LOGGED
+        near = difflib.get_close_matches(objective, known, n=1)
+        raise ConfigError(
+            f"objective={objective} is not a metric a ga-train run logs; it logs "
+            f"{', '.join(known)} (accuracy for classes, iou for masks of one class). "
+            + (f"Did you mean objective={near[0]}? " if near else "")
+            + f"Give one of those, e.g. objective={'val_loss' if validation_split else 'loss'}."
+        )
     several = isinstance(sweeper_directions, (list, tuple))
     wanted = list(sweeper_directions) if several else [sweeper_directions]
     wanted = [str(getattr(item, "name", item)).lower() for item in wanted]

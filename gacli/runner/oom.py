@@ -40,7 +40,8 @@ class WindowStart(keras.callbacks.Callback):
     def _reader(self):
         """One compiled copy of everything kept into shadow variables on the same device, and a
         read of the window's micro-steps and update count: one call a window, two scalars to the
-        host (a read per variable cost the digits MLP 40% of its speed)."""
+        host (a read of each variable from the host would wait on the device once per
+        variable)."""
         kept = [*self.accumulator.shared_state, *self._model_variables()]
         # Made again when Keras adds variables (a compiled metric builds its own in the first
         # call): what was kept stays kept, and a variable made since the window began was at

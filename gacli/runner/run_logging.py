@@ -41,8 +41,8 @@ _SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description
 def _scalar_value(tag, value):
     """A TensorBoard scalar (a float32 tensor with the scalar plugin's metadata, as tf.summary
     writes it)."""
-    # Built directly: tensorboard's make_tensor_proto costs 0.14 ms a scalar, a twelfth of a
-    # small model's update.
+    # Built directly: tensorboard's make_tensor_proto is general-purpose Python, paid per scalar
+    # on every update of a small model.
     return summary_pb2.Summary.Value(
         tag=tag,
         metadata=_SCALAR,
@@ -71,8 +71,8 @@ _FLUSH_EVERY_S = 10.0  # what tf.summary's writers wait at most (flush_millis)
 class EventFile:
     """A TensorBoard event file: a record file of ``Event`` protos, written by TensorFlow's record
     writer (C++: framing and checksums). TensorBoard's own Python writer computes each record's
-    CRC32C in Python, about 0.1 ms for an update's event, on a thread that then competes with
-    training for the interpreter's lock. Flushed at most every 10 s as events come, and by
+    CRC32C in Python, on a thread that then competes with training for the interpreter's
+    lock. Flushed at most every 10 s as events come, and by
     :meth:`flush`."""
 
     def __init__(self, log_dir):
@@ -102,9 +102,9 @@ class EventFile:
 
 
 class UpdateEvents:
-    """The events of updates, each a kept event whose numbers are set: making the ~17 scalar
-    protos of an update afresh took 0.1 ms. An event is kept for each list of tags (a few: the
-    rates and the noise scale join after the first updates)."""
+    """The events of updates, each a kept event whose numbers are set, rather than the ~17
+    scalar protos of an update made afresh each time in Python. An event is kept for each list
+    of tags (a few: the rates and the noise scale join after the first updates)."""
 
     def __init__(self):
         self._kept = {}
@@ -144,8 +144,8 @@ def _memory_scalars():
 class TensorBoardLogger(keras.callbacks.Callback):
     """Writes the run's scalars once per optimizer update, and val metrics once per epoch.
 
-    One event per update holds all of that update's scalars, written from Python (a tenth of the
-    cost of a ``tf.summary`` op per scalar, which matters when updates take milliseconds). The
+    One event per update holds all of that update's scalars, written from Python (cheaper than a
+    ``tf.summary`` op per scalar, which matters when updates take milliseconds). The
     optimizer's counter is looked at only once a window can have closed (``accum_steps``
     micro-batches after the last update), not every micro-batch.
 

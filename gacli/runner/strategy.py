@@ -1,10 +1,10 @@
 """tf.distribute strategies for ``ga-train``: default, one_device, mirrored, multi_worker, tpu."""
 
-import json
 import os
 
 import tensorflow as tf
 
+from gacli.rundir import read_tf_config
 from gacli.runner.config import ClusterSource, ConfigError, StrategyName
 
 
@@ -81,10 +81,7 @@ def make_strategy(cfg):
                 '"host2:12345"]}, "task": {"type": "worker", "index": 0}}\' '
                 "(docs/guides/distributed.md shows Kubernetes and SLURM)."
             )
-        try:
-            json.loads(config)
-        except ValueError:
-            raise ConfigError(f"TF_CONFIG is not valid JSON: {config!r}.") from None
+        read_tf_config(config)  # ConfigError, saying what to give, for one that cannot be read
         return tf.distribute.MultiWorkerMirroredStrategy()
     # TPU: the resolver finds the TPU from strategy.tpu or the environment (e.g. TPU_NAME).
     try:

@@ -16,23 +16,34 @@ import logging
 import math
 import os
 import shutil
+import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 from omegaconf import OmegaConf
 
-from gacli.engine.accumulate_model import accumulation_callbacks, set_accum_steps, wrap_model
+from gacli.engine.accumulate_model import (
+    AccumulatingModelWrapper,
+    accumulation_callbacks,
+    set_accum_steps,
+    wrap_model,
+)
 from gacli.engine.accumulation import (
     GradientAccumulateOptimizer,
     NonFiniteError,
     find_accumulating_optimizer,
 )
-from gacli.engine.batchnorm import apply_batchnorm_policy, plain_batchnorm_layers
+from gacli.engine.batchnorm import (
+    BatchNormWarning,
+    apply_batchnorm_policy,
+    plain_batchnorm_layers,
+)
 from gacli.engine.options import BatchNormPolicy, NonFinite
 from gacli.engine.precise_batchnorm import PreciseBatchNorm
 from gacli.engine.schedules import ScaledLearningRate
 from gacli.engine.settings import AccumulationConfig
+from gacli.engine.tf32 import tf32_description, tf32_enabled, tf32_mode
 from gacli.errors import ConfigError, ProcessUnusable, TrainingFailed
 from gacli.rundir import (
     BATCH_PLAN_FILE,
@@ -151,13 +162,17 @@ class Run:
         self.history = {}  # metric name -> values per epoch, of the fit() that finished
         self.schedule = None  # the AccumSchedule of accum_schedule, when set
         self.stages = None  # its StageTable: each epoch's accum_steps, checkpointed
+        self.announced = False  # the run directory's line has been printed
+        self.tf32 = None  # whether TF32 is on while the job runs (cfg.tf32 applied)
 
     def execute(self):
         """The job's steps; the last epoch's metrics."""
-        self.check_run_dir()
+        self.check_run_dir(announce=False)
         self.plan_batch()
-        with _precision_policy(self.cfg.precision.policy):
+        with _precision_policy(self.cfg.precision.policy), tf32_mode(self.cfg.tf32) as tf32:
+            self.tf32 = tf32
             self.load_data()
+            _check_validation_split(self.cfg, self.data)  # a check=equivalence needs none
             self.settle_plan()
             self.build()
             self.make_callbacks()
@@ -173,15 +188,24 @@ class Run:
                     raise
                 raise TrainingFailed(disk_full_message(self.run_dir, error)) from None
 
-    def check_run_dir(self):
-        """Refuse an unusable run directory before anything is built."""
-        self.console.print(f"run directory: {self.run_dir}", soft_wrap=True)
+    def check_run_dir(self, announce=True):
+        """Refuse an unusable run directory before anything is built. ``announce``: name it now;
+        :meth:`execute` names it once the job's input is checked, as a run refused on its input
+        (exit 2) leaves no directory behind."""
+        if announce:
+            self.announce_run_dir()
         _guard_run_dir(self.cfg, self.run_dir)
         if is_chief():
             # Found now, not at the first save after an epoch of training.
             check_writable(self.run_dir, "the run directory")
             if self.cfg.checkpoint:
                 check_writable(os.path.join(self.run_dir, CHECKPOINT_DIR), "the checkpoint folder")
+
+    def announce_run_dir(self):
+        """The run directory's line, printed once, before training (and last, with the result)."""
+        if not self.announced:
+            self.console.print(f"run directory: {self.run_dir}", soft_wrap=True)
+            self.announced = True
 
     def plan_batch(self):
         """The strategy and the batch arithmetic over its replicas."""
@@ -209,7 +233,7 @@ class Run:
     def settle_plan(self):
         """The micro-batch probed or kept from before, checked against the data; its steps."""
         self.plan, self.chosen = settle_plan(
-            self.cfg, self.plan, self.data, self.strategy, self.run_dir
+            self.cfg, self.plan, self.data, self.strategy, self.run_dir, self.announce_run_dir
         )
         self.schedule = AccumSchedule.of(
             self.cfg,
@@ -238,6 +262,7 @@ class Run:
                 "(the model.* settings)."
             ) from None
         facts = self.job.facts(cfg, plan, data, steps, self.strategy)
+        self.announce_run_dir()
         startup_panel(self.console, cfg, plan, {**facts, **self.chosen})
         self.chief = is_chief()
         if self.chief:
@@ -322,6 +347,8 @@ class Run:
         if self.cfg.resume:
             self.position = self._restored_position()
         self._recount_checkpoint()
+        self._restore_stage()
+        self._restore_recoveries()
 
     def _restored_position(self):
         """(epoch, micro-batches done in it) of the latest checkpoint, or (0, 0)."""
@@ -344,6 +371,17 @@ class Run:
             soft_wrap=True,
         )
         return restored
+
+    def _restore_recoveries(self):
+        """``oom=recover``'s count goes on from the recoveries before the resume (batch_plan.json
+        keeps it): the next recovery's record and batch/oom_recoveries count them all."""
+        count = (self.plan_file.read() or {}).get("oom_recoveries", 0) if self.cfg.resume else 0
+        if not count:
+            return
+        if self.callbacks.window_start is not None:
+            self.callbacks.window_start.count = count
+        for reporter in self.callbacks.reporters():
+            reporter.replan(self.plan, count)
 
     def _recount_checkpoint(self):
         """A run resumed after an out-of-memory error under XLA (:meth:`_stop_for_resume`): the
@@ -453,6 +491,15 @@ class Run:
         if not accum_steps:
             accum_steps = self._stage_accum_steps(epoch)
             self.stages.record(epoch, accum_steps, int(accumulator.optimizer_step.numpy()))
+        self._set_stage(accum_steps, restored)
+        if self.schedule.grows:  # the updates left, at this stage's accum_steps from now on
+            window = self.cfg.partial_window.value
+            left = updates_in_epoch(self.steps.micro_batches, accum_steps, window)
+            done = self.stages.first_update(epoch)
+            self.callbacks.progress.set_total(done + left * (self.cfg.epochs - epoch))
+
+    def _set_stage(self, accum_steps, restored=False):
+        """The plan, the engine, the reporters and the learning rate's scale at ``accum_steps``."""
         plan = self.plan
         if accum_steps != plan.accum_steps:
             self.plan = BatchPlan(plan.micro_batch_size, accum_steps, plan.replicas)
@@ -462,11 +509,18 @@ class Run:
             for reporter in self.callbacks.reporters():
                 reporter.replan(self.plan, 0)
         self.job.scaled_rate.set_scale(self.schedule.learning_rate_factor(accum_steps))
-        if self.schedule.grows:  # the updates left, at this stage's accum_steps from now on
-            window = self.cfg.partial_window.value
-            left = updates_in_epoch(self.steps.micro_batches, accum_steps, window)
-            done = self.stages.first_update(epoch)
-            self.callbacks.progress.set_total(done + left * (self.cfg.epochs - epoch))
+
+    def _restore_stage(self):
+        """A run resumed under ``accum_schedule`` is put in the stage of the last epoch its
+        checkpoint started, as the uninterrupted run is at that point: what decides at the next
+        epoch start (gns growth, which never goes below the current accum_steps; the learning
+        rate's scale) and what result.json reports read the restored stage, not the configured
+        accum_steps (tests/test_schedule_resume.py)."""
+        if self.schedule is None:
+            return
+        started = [epoch for epoch in range(self.cfg.epochs) if self.stages.accum_steps(epoch)]
+        if started:
+            self._set_stage(self.stages.accum_steps(started[-1]), restored=True)
 
     def _stage_accum_steps(self, epoch):
         """accum_steps of an epoch not yet started: the fixed schedule's, or gns's decision."""
@@ -615,17 +669,14 @@ class Run:
         if cfg.checkpoint:
             # Every worker saves (reading the accumulators is a collective); only the chief keeps
             # it. Written under another name first: a model.keras that exists is a whole one.
-            path = scratch_or(os.path.join(run_dir, ".model-writing.keras"), chief)
-            try:
-                model.save(path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.remove(path)  # a disk that filled up: no half-written model stays
-                raise
-            if chief:
-                os.replace(path, os.path.join(run_dir, "model.keras"))
-            else:
-                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+            saved = _save_model(model, run_dir, chief)
+            if saved != "model.keras":
+                self.console.print(
+                    f"The model cannot be saved whole (it defines no get_config), "
+                    f"so its weights are in {saved}: build the model again and call "
+                    f"model.load_weights('{saved}').",
+                    soft_wrap=True,
+                )
         updates, micro_steps = (
             int(accumulator.optimizer_step.numpy()),
             int(accumulator.micro_step.numpy()),
@@ -642,6 +693,7 @@ class Run:
                 accum_steps=plan.accum_steps,
                 weights_sha256=fingerprint,
                 host_peak_rss_bytes=host_memory_bytes()[1],
+                tf32=self.tf32,
             )
             if self.stages is not None:
                 result["samples_seen"] = self.callbacks.clock.layout.samples_before(micro_steps)
@@ -662,6 +714,35 @@ class Run:
         summary_table(self.console, rows)
         self.console.print(f"run directory: {run_dir}", soft_wrap=True)
         return final
+
+
+def _save_model(model, run_dir, chief):
+    """Write the trained model into ``run_dir`` atomically: ``model.keras``, or where the model
+    cannot be serialised (a subclassed model without ``get_config``) its weights,
+    ``model.weights.h5``; the name written. Every worker saves (reading the accumulators is a
+    collective); only the chief keeps it. Written under another name first: a file that exists
+    is a whole one."""
+    # The weights alone are the user's own model's, so that they load into it as it is built.
+    own = model.model if isinstance(model, AccumulatingModelWrapper) else model
+    for name, save in (("model.keras", model.save), ("model.weights.h5", own.save_weights)):
+        path = scratch_or(os.path.join(run_dir, f".writing-{name}"), chief)
+        try:
+            save(path)
+        except NotImplementedError:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            if name == "model.keras":
+                continue  # no get_config: the weights instead
+            raise
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(path)  # a disk that filled up: no half-written file stays
+            raise
+        if chief:
+            os.replace(path, os.path.join(run_dir, name))
+        else:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        return name
 
 
 def disk_full(error):
@@ -753,9 +834,30 @@ def loss_and_metrics(task, num_outputs):
     ]
 
 
+def _model_shapes(model, data):
+    """(input shape, output shape) of ``model`` without the batch axis. A subclassed model
+    knows them only once called: it is called on one sample of the data's shape, which builds
+    it (as its first training step would)."""
+    try:
+        return tuple(model.input_shape[1:]), tuple(model.output_shape[1:])
+    except (AttributeError, ValueError):
+        pass
+    sample = np.zeros((1, *data.input_shape), "float32")
+    try:
+        outputs = model(sample, training=False)
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError) as error:
+        raise ConfigError(
+            f"the model ({type(model).__name__}) cannot be called on the dataset's inputs of "
+            f"shape {tuple(data.input_shape)}: {str(error).splitlines()[0][:300]}; build the "
+            "model for the data (a factory gets the data's shape as input_shape)."
+        ) from None
+    first = tf.nest.flatten(outputs)[0]
+    return tuple(data.input_shape), tuple(first.shape[1:])
+
+
 def _check_fits(model, data):
     """A clear error, before training, when the data's shapes do not fit the model."""
-    expected = tuple(model.input_shape[1:])
+    expected, output = _model_shapes(model, data)
     given = tuple(data.input_shape)
     if len(expected) != len(given) or any(e not in (None, g) for e, g in zip(expected, given)):
         raise ConfigError(
@@ -763,7 +865,6 @@ def _check_fits(model, data):
             "model built for the data (a factory gets the data's shape), or resize image data "
             "(dataset.image_size=, dataset.channels= for image_folder and shapes)."
         )
-    output = tuple(model.output_shape[1:])
     if data.task == "classification" and output[-1] != data.num_outputs:
         raise ConfigError(
             f"the model has {output[-1]} outputs but the data has {data.num_outputs} classes; "
@@ -786,6 +887,25 @@ def _nonfinite_policy(precision):
     if precision.policy == Policy.mixed_float16:
         return None  # AccumulationConfig.for_policy fills it in
     return NONFINITE_WITHOUT_LOSS_SCALING
+
+
+def _check_validation_split(cfg, data):
+    """ConfigError, before anything is built, when ``dataset.validation_split`` asks for
+    validation data and the split leaves none: the run would log no val_ metric, and its
+    objective (val_loss by default) would be missing only once training had ended."""
+    split = cfg.dataset.validation_split
+    if not split or data.validation_size:
+        return
+    total = data.train_size + data.validation_size
+    smallest = f"a larger split, e.g. dataset.validation_split={float(f'{1.0 / total:.2g}')}, or "
+    raise ConfigError(
+        f"the validation split is empty: dataset {cfg.dataset.name} holds {total} samples, and "
+        f"dataset.validation_split={split} of them rounds to 0 for validation, so this run "
+        "would log no val_loss to report or compare. Use "
+        + (smallest if total > 1 else "")
+        + "dataset.validation_split=0 to train on every sample without validation (the "
+        "objective is then loss), or more data."
+    )
 
 
 def _check_batch_fits_data(cfg, plan, train_size):
@@ -813,6 +933,23 @@ def _check_batch_fits_data(cfg, plan, train_size):
         )
     if plan.effective_batch_size > train_size and not windows_span_passes:
         fitting = train_size // plan.global_micro_batch_size
+        if cfg.get("accum_schedule") is not None:
+            # Not partial_window=carry: a schedule changes accum_steps where a window closes.
+            raise ConfigError(
+                f"accum_schedule reaches accum_steps={plan.accum_steps}, an effective batch of "
+                f"{plan.effective_batch_size}, larger than the training set, which holds "
+                f"{train_size} samples (dataset {cfg.dataset.name}, after validation_split="
+                f"{cfg.dataset.validation_split}): every update would see {train_size} samples. "
+                + (
+                    f"Start accum_schedule=gns from accum_steps={fitting} or less"
+                    if cfg.accum_schedule == "gns"
+                    else f"Keep every stage at accum_steps={fitting} or less, e.g. "
+                    + (f"'accum_schedule={{0:1,1:{fitting}}}'" if cfg.epochs > 1 else "")
+                    + (f"'accum_schedule={{0:{fitting}}}'" if cfg.epochs == 1 else "")
+                )
+                + f" (effective batch {fitting * plan.global_micro_batch_size}), or use a "
+                "smaller micro_batch_size, or more data."
+            )
         raise ConfigError(
             f"effective_batch_size = {plan.effective_batch_size} is larger than the training set, "
             f"which holds {train_size} samples (dataset {cfg.dataset.name}, after "
@@ -952,7 +1089,7 @@ class BatchPlanFile:
         }
 
 
-def settle_plan(cfg, plan, data, strategy, run_dir):
+def settle_plan(cfg, plan, data, strategy, run_dir, announce=None):
     """(the run's BatchPlan, start-up panel lines on how it was chosen).
 
     A run that chose its micro-batch before (``micro_batch_size=auto``'s probe, or ``oom=recover``
@@ -973,7 +1110,12 @@ def settle_plan(cfg, plan, data, strategy, run_dir):
     probed = OmegaConf.merge(cfg, {"jit_compile": False})
     job = build_job(probed, first, data, plan_steps(cfg, first, data.train_size), strategy)
     micro, probes = find_micro_batch_size(
-        job.model, strategy, data.train, candidates, cfg.auto_batch, ProbeHooks(cfg, plan, job)
+        job.model,
+        strategy,
+        data.train,
+        candidates,
+        cfg.auto_batch,
+        ProbeHooks(cfg, plan, job, announce),
     )
     if micro is None:
         raise TrainingFailed(
@@ -1050,17 +1192,21 @@ class ProbeHooks:
         cfg: the run's config.
         plan: the :class:`AutoPlan` the sizes complete.
         job: the :class:`Job` built for the probe.
+        announce: prints the run directory before the first size is probed (None: nothing).
     """
 
-    def __init__(self, cfg, plan, job):
+    def __init__(self, cfg, plan, job, announce=None):
         self.cfg = cfg
         self.plan = plan
         self.job = job
+        self.announce = announce
         self.console = make_console()
         self.started = False
 
     def prepare(self, size):
         if not self.started:
+            if self.announce is not None:
+                self.announce()
             self.console.print(
                 "micro_batch_size=auto: probing micro-batch sizes (each trains a few compiled "
                 "calls)\n" + HEADER,
@@ -1117,6 +1263,7 @@ class Job:
             "compiled calls": f"{steps.steps_per_execution} micro-batches each "
             "(steps_per_execution)",
             "precision": cfg.precision.policy.value,
+            "tf32": f"{cfg.tf32.value}: {tf32_description(tf32_enabled())}",
             "batch norm": f"{cfg.batchnorm.value} ({layers} layer{'s' if layers != 1 else ''}"
             + (
                 "; statistics per micro-batch, batchnorm=precise recomputes them"
@@ -1151,28 +1298,18 @@ def build_job(cfg, plan, data, steps, strategy):
         inner = build_optimizer(
             cfg.optimizer, plan.effective_batch_size, steps.total_updates, scaled_rate
         )
-        if wrapper is Wrapper.model:
-            model = wrap_model(model, config=settings)
-            # The callbacks read the counters from each call's logs where the model can return
-            # them (one replica, not a TPU); elsewhere they read the variables after each call.
-            model.counters_in_logs = True
-            optimizer = inner
-        else:
-            from gacli.engine.clipping import agc_unit_axes
-
-            optimizer = GradientAccumulateOptimizer(
-                inner,
-                config=settings,
-                agc_unit_axes=agc_unit_axes(model) if settings.use_agc else None,
+        model, optimizer = _with_accumulation(model, inner, wrapper, settings)
+        with warnings.catch_warnings():
+            # The start-up panel's batch norm line says it, with the batchnorm= to choose.
+            warnings.simplefilter("ignore", BatchNormWarning)
+            model.compile(
+                optimizer=optimizer,
+                loss=loss,
+                metrics=metrics,
+                jit_compile=cfg.jit_compile,
+                auto_scale_loss=False,
+                steps_per_execution=steps.steps_per_execution,
             )
-        model.compile(
-            optimizer=optimizer,
-            loss=loss,
-            metrics=metrics,
-            jit_compile=cfg.jit_compile,
-            auto_scale_loss=False,
-            steps_per_execution=steps.steps_per_execution,
-        )
     accumulator = find_accumulating_optimizer(model.optimizer)
     if model.built:
         with strategy.scope():
@@ -1189,6 +1326,21 @@ def build_job(cfg, plan, data, steps, strategy):
         fault,
         scaled_rate,
     )
+
+
+def _with_accumulation(model, inner, wrapper, settings):
+    """(model, optimizer) to compile: the model wrapped and the inner optimizer, or the model as
+    it is and the inner optimizer wrapped."""
+    if wrapper is Wrapper.model:
+        model = wrap_model(model, config=settings)
+        # The callbacks read the counters from each call's logs where the model can return them
+        # (one replica, not a TPU); elsewhere they read the variables after each call.
+        model.counters_in_logs = True
+        return model, inner
+    from gacli.engine.clipping import agc_unit_axes
+
+    axes = agc_unit_axes(model) if settings.use_agc else None
+    return model, GradientAccumulateOptimizer(inner, config=settings, agc_unit_axes=axes)
 
 
 def _write_resolved(cfg, plan, steps, job, run_dir):
@@ -1214,6 +1366,7 @@ def _hparams(cfg, plan, job):
         "micro_batch_size": plan.micro_batch_size,
         "effective_batch_size": plan.effective_batch_size,
         "precision": cfg.precision.policy.value,
+        "tf32": tf32_enabled(),
         "strategy": cfg.strategy.name.value,
         "wrapper": job.wrapper.value,
         "model": cfg.model.factory or cfg.model.name,

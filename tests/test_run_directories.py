@@ -1,0 +1,275 @@
+"""Run directories are never lost or rewritten: every command that writes one refuses a finished
+one; a process removes only a directory it made and holds; a worker that is not the chief is
+refused under a strategy of one process instead of training and saving nothing; result.json and
+epoch_logs.json get the umask's permissions; a SIGTERM before training says what was saved."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gacli import rundir
+from gacli.runner.batch_probe import PROBE_FILE
+from gacli.runner.equivalence_check import EQUIVALENCE_FILE
+from helpers import ga_train, start_ga_train
+
+QUICK = ("epochs=1", "progress=none")
+PROBE = ("probe=batch", "probe.effective_sizes=[32,128]", "probe.samples=512", "progress=none")
+CHECK = ("check=equivalence", "progress=none")
+
+
+def first_line(output):
+    return next(line for line in output.splitlines() if line.startswith("ga-train: "))
+
+
+def run_dirs(cwd):
+    root = cwd / "outputs" / "default"
+    return sorted(os.listdir(root)) if root.is_dir() else []
+
+
+def worker_one_of_two(index=1):
+    cluster = {"worker": ["127.0.0.1:20001", "127.0.0.1:20002"]}
+    return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+
+
+# A process that is not the chief, under a strategy of one process.
+@pytest.mark.parametrize(
+    "env, who, variable",
+    [
+        ({"SLURM_PROCID": "1"}, "SLURM task 1 (SLURM_PROCID=1)", "SLURM_PROCID"),
+        ({"TF_CONFIG": worker_one_of_two()}, "worker 1 (TF_CONFIG)", "TF_CONFIG"),
+    ],
+)
+@pytest.mark.parametrize("strategy", ["default", "one_device"])
+def test_a_worker_that_is_not_the_chief_is_refused_under_one_process(
+    tmp_path, env, who, variable, strategy
+):
+    code, output = ga_train(*QUICK, f"strategy={strategy}", cwd=tmp_path, env=env)
+    assert code == 2 and "Traceback" not in output, output
+    assert first_line(output).startswith(f"ga-train: this process is {who}, not its cluster's")
+    assert f"strategy={strategy} trains in this one process" in output
+    assert "add strategy=multi_worker" in output and f"unset {variable}" in output
+    assert run_dirs(tmp_path) == []  # the empty directory Hydra made for it is gone too
+    assert "run directory:" not in output  # refused before the run began
+
+
+@pytest.mark.parametrize(
+    "tf_config, says",
+    [
+        ("garbage{", "TF_CONFIG is not valid JSON (Expecting value at character 0): 'garbage{'"),
+        ("[1]", "TF_CONFIG='[1]' is JSON but not a cluster"),
+        ('{"task": "worker"}', "is JSON but not a cluster"),
+        ('{"task": {"type": "worker", "index": "1"}}', "is JSON but not a cluster"),
+    ],
+)
+def test_a_tf_config_that_cannot_be_read_is_one_paragraph(tmp_path, tf_config, says):
+    code, output = ga_train(*QUICK, cwd=tmp_path, env={"TF_CONFIG": tf_config})
+    assert code == 2 and "Traceback" not in output, output
+    assert first_line(output).startswith("ga-train: TF_CONFIG") and says in first_line(output)
+    assert "unset TF_CONFIG" in output
+    assert not (tmp_path / "outputs").exists()  # refused before Hydra started
+
+
+@pytest.mark.parametrize(
+    "environ, role",
+    [
+        ({}, None),
+        ({"SLURM_PROCID": "0"}, None),
+        ({"SLURM_PROCID": "3"}, "SLURM task 3 (SLURM_PROCID=3)"),
+        ({"TF_CONFIG": worker_one_of_two(0)}, None),
+        ({"TF_CONFIG": worker_one_of_two(1)}, "worker 1 (TF_CONFIG)"),
+        # TF_CONFIG wins over SLURM's rank (ga-train writes it from SLURM's for a cluster).
+        ({"TF_CONFIG": worker_one_of_two(0), "SLURM_PROCID": "1"}, None),
+        ({"TF_CONFIG": '{"cluster": {"chief": ["a:1"]}, "task": {"type": "chief"}}'}, None),
+        (
+            {"TF_CONFIG": '{"cluster": {"chief": ["a:1"], "worker": ["b:1"]}, "task": '
+             '{"type": "worker", "index": 0}}'},
+            "worker 0 (TF_CONFIG)",
+        ),
+    ],
+)  # fmt: skip
+def test_cluster_role(monkeypatch, environ, role):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert rundir.cluster_role() == role
+    assert rundir.is_chief() == (role is None)
+
+
+# A finished directory, refused to every command that writes one.
+def finished_probe(directory, command):
+    """A probe=batch run's directory as it ends: its lock, Hydra's record of ``command``, each
+    branch's result and probe.json."""
+    (directory / ".hydra").mkdir(parents=True)
+    (directory / ".hydra" / "overrides.yaml").write_text("".join(f"- {a}\n" for a in command))
+    (directory / rundir.LOCK_FILE).write_text("ga-train, pid 1 on a host that ended\n")
+    for size in (32, 128):
+        branch = directory / "branches" / f"effective_{size}"
+        branch.mkdir(parents=True)
+        (branch / "result.json").write_text('{"val_loss": 2.3}')
+    (directory / PROBE_FILE).write_text('{"critical_batch_size": 128}')
+
+
+def finished_check(directory, command):
+    (directory / ".hydra").mkdir(parents=True)
+    (directory / ".hydra" / "overrides.yaml").write_text("".join(f"- {a}\n" for a in command))
+    (directory / rundir.LOCK_FILE).write_text("ga-train, pid 1 on a host that ended\n")
+    (directory / EQUIVALENCE_FILE).write_text('{"passed": true}')
+
+
+def listing(directory):
+    """Every file under ``directory`` with its modification time (not the lock file, which each
+    ga-train that takes the directory, even to refuse it, writes its name in)."""
+    paths = (os.path.join(root, name) for root, _, names in os.walk(directory) for name in names)
+    paths = (path for path in paths if os.path.basename(path) != rundir.LOCK_FILE)
+    return sorted((os.path.relpath(path, directory), os.path.getmtime(path)) for path in paths)
+
+
+@pytest.mark.parametrize(
+    "make, what, command",
+    [
+        (finished_probe, "probe=batch run", PROBE),  # the same probe again: it retrained all
+        (finished_probe, "probe=batch run", QUICK),
+        (finished_probe, "probe=batch run", CHECK),
+        (finished_check, "check=equivalence run", CHECK),
+        (finished_check, "check=equivalence run", QUICK),
+        (finished_check, "check=equivalence run", PROBE),
+    ],
+)
+def test_a_finished_directory_is_refused_to_every_command(tmp_path, make, what, command):
+    run_dir = tmp_path / "finished"
+    make(run_dir, command)
+    before = listing(run_dir)
+    code, output = ga_train(*command, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert first_line(output) == (
+        f"ga-train: {run_dir} holds a finished {what}, which is never written to again. Leave "
+        "hydra.run.dir unset (each run gets a new directory) or pick a new one."
+    )
+    assert listing(run_dir) == before
+
+
+def test_a_sweeps_job_is_refused_a_finished_probe(tmp_path):
+    run_dir = tmp_path / "finished"
+    finished_probe(run_dir, PROBE)
+    (run_dir / rundir.LOCK_FILE).unlink()  # copied elsewhere, say: no lock file
+    code, output = ga_train("-m", *PROBE, f"hydra.sweep.subdir={run_dir}", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert f"{run_dir} holds a finished probe=batch run" in output, output
+    assert (run_dir / PROBE_FILE).read_text() == '{"critical_batch_size": 128}'
+    assert sorted(os.listdir(run_dir / "branches")) == ["effective_128", "effective_32"]
+
+
+def test_a_finished_run_is_refused_to_a_probe_and_a_check_and_its_files_get_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        code, output = ga_train(*QUICK, "hydra.run.dir=run", cwd=tmp_path)
+    finally:
+        os.umask(old)
+    assert code == 0, output
+    run_dir = tmp_path / "run"
+    for name in ("result.json", "checkpoints/epoch_logs.json", "model.keras", "resolved.yaml"):
+        assert stat.S_IMODE(os.stat(run_dir / name).st_mode) == 0o640, name
+    result = (run_dir / "result.json").read_text()
+    for command in (PROBE, CHECK, QUICK):
+        code, output = ga_train(*command, "hydra.run.dir=run", cwd=tmp_path)
+        assert code == 2 and f"{run_dir} holds a finished run, which" in output, output
+    assert (run_dir / "result.json").read_text() == result
+    assert not (run_dir / "branches").exists() and not (run_dir / EQUIVALENCE_FILE).exists()
+
+
+def test_write_json_gives_the_umask_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        rundir.write_json(str(tmp_path / "record.json"), {"loss": float("nan")})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "record.json").st_mode) == 0o644
+    assert json.loads((tmp_path / "record.json").read_text()) == {"loss": None}
+    assert os.listdir(tmp_path) == ["record.json"]  # no scratch file left
+
+
+# A process removes only a directory it made and holds.
+def test_discard_unstarted_removes_only_a_directory_this_process_made_and_holds(tmp_path):
+    made = tmp_path / "made"
+    rundir.lock(str(made), "this test")
+    (made / "tensorboard").mkdir()
+    rundir.discard_unstarted(str(made))
+    assert not made.exists()
+
+    # Another run's directory (its lock file made by a process that has ended): held now, kept.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / rundir.LOCK_FILE).write_text("ga-train, pid 1 on a host that ended\n")
+    (other / "tensorboard").mkdir()
+    rundir.lock(str(other), "this test")
+    try:
+        rundir.discard_unstarted(str(other))
+    finally:
+        rundir.release(str(other))
+    assert sorted(os.listdir(other)) == [rundir.LOCK_FILE, "tensorboard"]
+
+    # Not held at all: kept.
+    (tmp_path / "loose" / "tensorboard").mkdir(parents=True)
+    rundir.discard_unstarted(str(tmp_path / "loose"))
+    assert os.listdir(tmp_path / "loose") == ["tensorboard"]
+
+
+@pytest.mark.parametrize(
+    "arguments, says",
+    [
+        ((), "{live} is in use by another run: "),
+        # Refused on its settings before it takes the directory: it still leaves it alone.
+        (("probe=batch", "dataset.validation_split=0"), "probe=batch compares the sizes by"),
+    ],
+)
+def test_a_sweeps_job_never_removes_a_directory_another_run_holds(tmp_path, arguments, says):
+    live = tmp_path / "live"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from gacli import rundir; rundir.lock(sys.argv[1], 'ga-train epochs=4'); "
+         "print('held', flush=True); sys.stdin.read()", str(live)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        (live / "tensorboard").mkdir()  # what the live run has written so far
+        # A sweep's job given the same directory (hydra.sweep.subdir=x for every job): refused,
+        # and the directory stays, lock and all.
+        code, output = ga_train(
+            "-m", *QUICK, *arguments, f"hydra.sweep.subdir={live}", cwd=tmp_path
+        )
+        assert code == 2 and "Traceback" not in output, output
+        assert says.format(live=live) in output, output
+        assert {rundir.LOCK_FILE, "tensorboard"} <= set(os.listdir(live))
+        # So the lock still stops a third run.
+        code, output = ga_train(*QUICK, f"hydra.run.dir={live}", cwd=tmp_path)
+        assert code == 2 and f"{live} is in use by another run: " in output, output
+    finally:
+        holder.communicate("", timeout=30)
+    assert (live / "tensorboard").is_dir()
+
+
+# SIGTERM before training.
+def test_sigterm_before_training_says_nothing_was_saved(tmp_path):
+    process = start_ga_train(*QUICK, "hydra.run.dir=early", cwd=tmp_path)
+    record = tmp_path / "early" / ".hydra" / "overrides.yaml"
+    deadline = time.time() + 120
+    while not record.exists():  # Hydra has started the job; TensorFlow is not trained yet
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0]
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert first_line(output) == (
+        "ga-train: stopped by SIGTERM before training started: nothing was trained or saved, and "
+        f"its run directory {tmp_path / 'early'} is removed."
+    ), output
+    assert "Traceback" not in output
+    assert not (tmp_path / "early").exists()

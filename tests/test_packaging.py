@@ -135,3 +135,86 @@ def test_functions_fit_on_a_screen():
                 if length > 60 and not reason:
                     long.append(f"{name}:{node.name} ({length} lines)")
     assert not long, long
+
+
+def _imported_modules(text):
+    """Every module a source imports, at its top and inside functions, by its full name.
+    ``from gacli import x`` gives ``gacli.x`` too, since x may be a module of the package."""
+    import ast
+
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.module
+            if node.module == "gacli":
+                yield from (f"gacli.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            pytest.fail("relative import: gacli imports itself by absolute names")
+
+
+def _rooms_imports():
+    """(path under gacli/, module) for every import of every module of the package."""
+    return [(name, module) for name, text in _sources() for module in _imported_modules(text)]
+
+
+def _is_gacli_module(module):
+    """Whether ``module`` names a module or folder of the package (not a name in its __init__)."""
+    parts = module.split(".")
+    path = os.path.join(ROOT, *parts)
+    return parts[0] == "gacli" and (os.path.isdir(path) or os.path.exists(path + ".py"))
+
+
+def test_the_engine_imports_only_itself_keras_and_tensorflow():
+    """docs/engine.md: engine/ imports of gacli only gacli.engine and the package's __init__
+    (its registration with Keras); never the runner, the report, rundir, errors, Hydra or
+    OmegaConf, so that ``import gacli`` loads none of them."""
+    broken = []
+    for name, module in _rooms_imports():
+        if not name.startswith("engine" + os.sep):
+            continue
+        if module.split(".")[0] in ("hydra", "omegaconf"):
+            broken.append(f"{name} imports {module}")
+        elif module.startswith("gacli.") and _is_gacli_module(module):
+            if not module.startswith("gacli.engine"):
+                broken.append(f"{name} imports {module}")
+    assert not broken, broken
+
+
+def test_the_report_imports_neither_the_engine_the_runner_nor_tensorflow():
+    """docs/engine.md: ga-report reads run directories without training code."""
+    forbidden = ("gacli.engine", "gacli.runner", "tensorflow", "keras")
+    broken = [
+        f"{name} imports {module}"
+        for name, module in _rooms_imports()
+        if name.startswith("report" + os.sep) and module.startswith(forbidden)
+    ]
+    assert not broken, broken
+
+
+def test_rundir_and_errors_import_what_engine_md_says():
+    """docs/engine.md: rundir.py imports only gacli.errors of gacli's; errors.py nothing."""
+    of_gacli = {
+        name: sorted({m for n, m in _rooms_imports() if n == name and m.startswith("gacli")})
+        for name in ("rundir.py", "errors.py")
+    }
+    assert of_gacli == {"rundir.py": ["gacli.errors"], "errors.py": []}
+
+
+def test_the_runners_exceptions_are_the_ones_engine_md_names():
+    """docs/engine.md: the runner uses the engine's public modules; its only private engine
+    import is strategy.py's of _keras_compat, and its only import of the report is
+    selfcheck.py's of the event reader. A new one fails here until the page names it."""
+    found = sorted(
+        {
+            (name, module)
+            for name, module in _rooms_imports()
+            if name.startswith("runner" + os.sep)
+            and (module.startswith("gacli.engine._") or module.startswith("gacli.report"))
+        }
+    )
+    expected = [
+        (os.path.join("runner", "selfcheck.py"), "gacli.report.run_events"),
+        (os.path.join("runner", "strategy.py"), "gacli.engine._keras_compat"),
+    ]
+    assert found == expected

@@ -174,7 +174,8 @@ def test_every_objective_a_sweep_accepts_is_one_a_run_logs():
     from gacli.runner.train import loss_and_metrics
 
     logged = set()
-    for task, outputs in (("classification", 10), ("segmentation", 1), ("segmentation", 3)):
+    tasks = (("classification", 10), ("segmentation", 1), ("segmentation", 3), ("regression", 2))
+    for task, outputs in tasks:
         _, metrics = loss_and_metrics(task, outputs)
         logged |= {m if isinstance(m, str) else m.name for m in metrics}
     assert logged | {"loss"} == set(LOGGED)

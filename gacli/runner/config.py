@@ -99,6 +99,12 @@ class OutOfMemory(str, enum.Enum):
     recover = "recover"  # halve the micro-batch, double accum_steps, redo the window
 
 
+class Task(str, enum.Enum):
+    auto = "auto"  # from the data: integer labels classify, masks of the images' size segment
+    # float targets (samples,) or (samples, k) of npz or tfrecord: k linear outputs, squared error
+    regression = "regression"
+
+
 class Pick(str, enum.Enum):
     largest = "largest"  # the largest that fits (none failed: the largest within 3% of the fastest)
     fastest = "fastest"  # the one with the most samples/s among those that fit
@@ -132,6 +138,7 @@ class DatasetConfig:
     input_key: str = "image"  # tfrecord feature used as input
     label_key: str = "label"  # tfrecord feature used as target
     skip_bad_files: bool = False  # image_folder: train without images that cannot be decoded
+    task: Task = Task.auto  # what the targets are; picks the model's head, loss and metrics
 
 
 @dataclass
@@ -828,6 +835,13 @@ def _validate_ranges(cfg):
             f"model.hidden_units={list(cfg.model.hidden_units)} and model.filters="
             f"{list(cfg.model.filters)} must hold layer widths >= 1, e.g. "
             "model.hidden_units=[64,64]."
+        )
+    if cfg.dataset.task == Task.regression and cfg.dataset.name not in ("npz", "tfrecord"):
+        raise ConfigError(
+            f"dataset.task=regression reads float targets from dataset=npz or dataset=tfrecord, "
+            f"and dataset={cfg.dataset.name} has class labels or masks; save the inputs and "
+            "targets with numpy.savez('train.npz', x=inputs, y=targets) and give dataset=npz "
+            "dataset.path=train.npz dataset.task=regression, or drop dataset.task."
         )
     if cfg.dataset.channels not in (1, 3):
         raise ConfigError(

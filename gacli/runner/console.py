@@ -60,7 +60,7 @@ def _format_logs(logs):
     return "  ".join(
         f"{key} {float(value):.4g}"
         for key, value in (logs or {}).items()
-        if key in ("loss", "accuracy", "iou", "val_loss", "val_accuracy", "val_iou")
+        if key.removeprefix("val_") in ("loss", "accuracy", "iou", "mae")
     )
 
 

@@ -31,8 +31,10 @@ class DataBundle:
     train_size: int
     validation_size: int
     input_shape: tuple
-    task: str  # "classification" (integer labels) or "segmentation" (binary masks)
-    num_outputs: int  # classes, or mask channels
+    # "classification" (integer labels), "segmentation" (binary masks) or "regression" (float
+    # targets, one row of width num_outputs a sample)
+    task: str
+    num_outputs: int  # classes, mask channels, or regression targets per sample
     label_shape: tuple
     # What to call the training sample at a position of ``train`` (unshuffled) in a message,
     # within ``source`` (a file, a folder, a bundled data set).
@@ -74,7 +76,28 @@ def _check_arrays(x, y, cfg, source, task, num_outputs):
                 f"{source}: the masks of {_first_rows(bad)} hold inf or nan; replace or drop them."
             )
         return num_outputs
+    if task == "regression":
+        return _check_targets(y, source)
     return _check_labels(y, cfg, source, num_outputs)
+
+
+def _check_targets(y, source, name=lambda row: f"row {row}"):
+    """The width of regression targets (samples, width); ConfigError naming the rows that are not
+    finite numbers."""
+    if not np.issubdtype(y.dtype, np.number) or y.ndim not in (1, 2):
+        raise ConfigError(
+            f"{source}: dataset.task=regression needs float targets of shape (samples,) or "
+            f"(samples, k), and the targets have dtype {y.dtype} and shape {y.shape}; save "
+            "numbers (e.g. y.astype('float32')), or drop dataset.task for class labels."
+        )
+    rows = y.reshape(len(y), 1 if y.ndim == 1 else y.shape[1])
+    bad = ~np.isfinite(rows).all(axis=1)
+    if bad.any():
+        raise ConfigError(
+            f"{source}: the targets of {_first_rows(bad, name)} hold inf or nan, which would "
+            "turn every weight into nan; replace or drop those samples."
+        )
+    return rows.shape[1]
 
 
 def _check_labels(y, cfg, source, num_outputs, name=lambda row: f"row {row}"):
@@ -93,7 +116,7 @@ def _check_labels(y, cfg, source, num_outputs, name=lambda row: f"row {row}"):
         raise ConfigError(
             f"{source}: the labels of {_first_rows(fractional, name)} are not whole numbers; "
             "classification needs integer class indices 0 .. num_classes-1 (one-hot labels: "
-            "y.argmax(axis=1))."
+            "y.argmax(axis=1)); to predict the numbers themselves, add dataset.task=regression."
         )
     classes = num_outputs or cfg.num_classes or (int(np.max(y)) + 1 if len(y) else 0)
     outside = (y < 0) | (y >= classes)
@@ -132,7 +155,8 @@ def _from_arrays(arrays, cfg, seed, task, num_outputs=None, source=None):
             f"{cfg.validation_split}; lower it, e.g. dataset.validation_split=0.1."
         )
     x = x.astype("float32", copy=False)
-    y = y.astype("float32" if task == "segmentation" else "int32", copy=False)
+    y = y.astype("int32" if task == "classification" else "float32", copy=False)
+    y = y.reshape(len(y), num_outputs) if task == "regression" else y
     validation = None
     if len(validation_rows):
         validation = tf.data.Dataset.from_tensor_slices((x[validation_rows], y[validation_rows]))
@@ -206,6 +230,8 @@ def npz(cfg, seed):
         )
     x, y = _read_npz(path, cfg)
     source = os.path.basename(path)
+    if cfg.task == "regression":
+        return _from_arrays((x, y), cfg, seed, "regression", source=source)
     if y.ndim >= 2 and y.shape[1:-1] == x.shape[1:-1] and y.ndim == x.ndim:
         return _from_arrays((x, y), cfg, seed, "segmentation", y.shape[-1], source=source)
     if y.ndim > 1 and int(np.prod(y.shape[1:])) != 1:
@@ -381,7 +407,9 @@ def _decode_error(file, channels):
     return "unreadable"
 
 
-def tfrecord(cfg, seed):
+def _tfrecord_files(cfg):
+    """(files, feature spec) of dataset.path; ConfigError when none matches or the spec lacks the
+    input or the label."""
     pattern = _require_path(cfg, "train-*.tfrecord")
     files = sorted(glob.glob(pattern))
     if not files:
@@ -399,6 +427,26 @@ def tfrecord(cfg, seed):
         name: tf.io.FixedLenFeature(list(feature["shape"]), feature.get("dtype", "float32"))
         for name, feature in cfg.features.items()
     }
+    return files, spec
+
+
+def _tfrecord_targets(cfg, labels, source, record_name):
+    """(task, num_outputs, label_shape) of the scanned labels, checked for the task."""
+    label_shape = tuple(cfg.features[cfg.label_key]["shape"])
+    if cfg.task == "regression":
+        # Regression targets of any stored shape train as one row of their values a sample.
+        width = int(np.prod(label_shape))
+        targets = labels.reshape(len(labels), width)
+        return "regression", _check_targets(targets, source, record_name), (width,)
+    label_rows = labels.reshape(len(labels), -1) if labels.ndim > 1 else labels
+    num_outputs = _check_labels(
+        label_rows if label_rows.ndim == 1 else label_rows[:, 0], cfg, source, None, record_name
+    )
+    return "classification", num_outputs, label_shape
+
+
+def tfrecord(cfg, seed):
+    files, spec = _tfrecord_files(cfg)
     counts, labels = [], []
     for file in files:
         count, file_labels = _scan_tfrecord(file, spec, cfg)
@@ -413,14 +461,14 @@ def tfrecord(cfg, seed):
 
     source = cfg.path if len(files) > 1 else files[0]
     labels = np.concatenate(labels) if labels else np.zeros(0, "int64")
-    label_rows = labels.reshape(len(labels), -1) if labels.ndim > 1 else labels
-    num_outputs = _check_labels(
-        label_rows if label_rows.ndim == 1 else label_rows[:, 0], cfg, source, None, record_name
-    )
+    task, num_outputs, label_shape = _tfrecord_targets(cfg, labels, source, record_name)
 
     def parse(record):
         example = tf.io.parse_single_example(record, spec)
-        return tf.cast(example[cfg.input_key], "float32"), example[cfg.label_key]
+        label = example[cfg.label_key]
+        if task == "regression":
+            label = tf.reshape(tf.cast(label, "float32"), label_shape)
+        return tf.cast(example[cfg.input_key], "float32"), label
 
     validation_size = int(round(total * cfg.validation_split))
     parsed = tf.data.TFRecordDataset(files).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
@@ -435,9 +483,9 @@ def tfrecord(cfg, seed):
         total - validation_size,
         validation_size,
         tuple(cfg.features[cfg.input_key]["shape"]),
-        "classification",
+        task,
         num_outputs,
-        tuple(cfg.features[cfg.label_key]["shape"]),
+        label_shape,
         sample_name=lambda position: record_name(position + validation_size),
         source=os.path.dirname(files[0]) if len(files) > 1 else files[0],
     )

@@ -1,8 +1,9 @@
 """The model registry of ``ga-train``: a name, a builder, a clear error for anything else.
 
 Every builder takes ``(input_shape, num_outputs, task, cfg)`` and returns an uncompiled functional
-``keras.Model`` with logits outputs. ``model.factory=package.module:function`` is the one escape
-hatch for the user's own model; any ``keras.applications`` name works with ``weights=None``.
+``keras.Model`` with logits outputs (for regression, linear outputs of the targets' width).
+``model.factory=package.module:function`` is the one escape hatch for the user's own model; any
+``keras.applications`` name works with ``weights=None``.
 """
 
 import importlib
@@ -25,8 +26,8 @@ def _head(x, num_outputs, task):
 
 
 def mlp(input_shape, num_outputs, task, cfg):
-    if task != "classification":
-        raise ConfigError("model=mlp classifies; for segmentation use model=unet.")
+    if task == "segmentation":
+        raise ConfigError("model=mlp classifies or regresses; for segmentation use model=unet.")
     inputs = keras.Input(input_shape)
     x = keras.layers.Flatten()(inputs)
     for units in cfg.hidden_units:
@@ -56,7 +57,7 @@ def cnn(input_shape, num_outputs, task, cfg):
     x = inputs
     for filters in cfg.filters:
         x = _conv_block(x, filters)
-        if x.shape[1] >= 4 and task == "classification":
+        if x.shape[1] >= 4 and task != "segmentation":
             x = keras.layers.MaxPooling2D()(x)
     return keras.Model(inputs, _head(x, num_outputs, task), name="cnn")
 
@@ -92,8 +93,8 @@ def unet(input_shape, num_outputs, task, cfg):
 def resnet(input_shape, num_outputs, task, cfg):
     """A small ResNet: ``depth`` stages of one residual block, width doubling per stage."""
     _require_image(input_shape, "resnet")
-    if task != "classification":
-        raise ConfigError("model=resnet classifies; for segmentation use model=unet.")
+    if task == "segmentation":
+        raise ConfigError("model=resnet classifies or regresses; for segmentation use model=unet.")
     inputs = keras.Input(input_shape)
     x = _conv_block(inputs, cfg.base_filters)
     for stage in range(cfg.depth):

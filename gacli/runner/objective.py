@@ -18,12 +18,23 @@ from gacli.errors import ConfigError
 
 MINIMIZE, MAXIMIZE = "minimize", "maximize"
 FAILED = None
-_SMALLER_IS_BETTER = ("loss", "error", "crossentropy", "mse", "mae", "mape", "msle", "hinge")
+_SMALLER_IS_BETTER = (
+    "loss",
+    "error",
+    "crossentropy",
+    "mse",
+    "rmse",
+    "mae",
+    "mape",
+    "msle",
+    "hinge",
+)
 _LARGER_IS_BETTER = ("accuracy", "acc", "iou", "auc", "precision", "recall", "f1", "dice", "r2")
 # Every metric a ga-train run can log (gacli.runner.train.loss_and_metrics compiles them): the loss
-# and one compiled metric, accuracy, or iou for masks of one class; val_ of each with validation
-# data. A sweep whose objective is none of them is refused before its first trial trains.
-LOGGED = ("loss", "accuracy", "iou")
+# and its compiled metrics: accuracy, iou for masks of one class, or mae and rmse for regression;
+# val_ of each with validation data. A sweep whose objective is none of them is refused before its
+# first trial trains.
+LOGGED = ("loss", "accuracy", "iou", "mae", "rmse")
 
 
 def metric_name(objective, validation_split):
@@ -63,7 +74,8 @@ def check(objective, validation_split, sweeper_directions):
         near = difflib.get_close_matches(objective, known, n=1)
         raise ConfigError(
             f"objective={objective} is not a metric a ga-train run logs; it logs "
-            f"{', '.join(known)} (accuracy for classes, iou for masks of one class). "
+            f"{', '.join(known)} (accuracy for classes, iou for masks of one class, mae and rmse "
+            "for regression). "
             + (f"Did you mean objective={near[0]}? " if near else "")
             + f"Give one of those, e.g. objective={'val_loss' if validation_split else 'loss'}."
         )

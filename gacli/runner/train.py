@@ -823,6 +823,11 @@ def choose_wrapper(cfg):
 
 
 def loss_and_metrics(task, num_outputs):
+    if task == "regression":
+        return keras.losses.MeanSquaredError(), [
+            keras.metrics.MeanAbsoluteError(name="mae"),
+            keras.metrics.RootMeanSquaredError(name="rmse"),
+        ]
     if task == "segmentation" and num_outputs == 1:
         return keras.losses.BinaryCrossentropy(from_logits=True), [
             keras.metrics.BinaryIoU(target_class_ids=[1], threshold=0.0, name="iou")
@@ -870,6 +875,12 @@ def _check_fits(model, data):
             f"the model has {output[-1]} outputs but the data has {data.num_outputs} classes; "
             f"build the model for {data.num_outputs} classes (model.kwargs for a factory), or "
             "give the data the classes the model predicts."
+        )
+    if data.task == "regression" and output != (data.num_outputs,):
+        raise ConfigError(
+            f"the model predicts outputs of shape {output} but the data's targets have "
+            f"{data.num_outputs} value(s) a sample; build the model with {data.num_outputs} "
+            "linear outputs (model.kwargs for a factory), or give targets of its width."
         )
     if data.task == "segmentation" and output[:-1] != tuple(data.label_shape[:-1]):
         raise ConfigError(

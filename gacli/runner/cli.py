@@ -24,6 +24,7 @@ from gacli.errors import (
     ProcessUnusable,
     TrainingFailed,
 )
+from gacli.runner import overrides as command_line
 from gacli.runner.config import FREE_ON_RESUME, GROUPS, check_tolerance_argument
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -125,7 +126,7 @@ def _split_config_argument(argv):
                     f"{argument}: config= takes one recipe or file; sweep over other keys "
                     "(e.g. -m accum_steps=1,2,4) and run each recipe on its own."
                 )
-            config = argument.split("=", 1)[1]
+            config = command_line.value(argument)
         else:
             rest.append(argument)
     return config, rest
@@ -133,10 +134,6 @@ def _split_config_argument(argv):
 
 _YES = ("true", "yes", "on", "1")
 _NO = ("false", "no", "off", "0", "null", "none", "")
-
-
-def _key(override):
-    return override.split("=", 1)[0].lstrip("+~")
 
 
 def _same_command(run_dir, assignments):
@@ -147,8 +144,8 @@ def _same_command(run_dir, assignments):
     if not os.path.isfile(path):
         return False
     free = ("config",) + FREE_ON_RESUME
-    started = {o for o in OmegaConf.load(path) if _key(o) not in free}
-    return started == {o for o in assignments if _key(o) not in free}
+    started = {o for o in OmegaConf.load(path) if command_line.key(o) not in free}
+    return started == {o for o in assignments if command_line.key(o) not in free}
 
 
 def _last_unfinished_run(label, assignments):
@@ -202,10 +199,15 @@ def _resume_after_requeue(overrides):
     """
     from gacli.runner import slurm
 
-    given = [o.split("=", 1)[1].strip("'\"") for o in overrides if _key(o) == "hydra.run.dir"]
-    if not slurm.restart_count() or not given or "${" in given[-1] or _key_given(overrides):
+    given = command_line.last(overrides, "hydra.run.dir")
+    if (
+        not slurm.restart_count()
+        or not given
+        or "${" in given
+        or command_line.given(overrides, "resume")
+    ):
         return overrides
-    run_dir = os.path.abspath(os.path.expanduser(given[-1]))
+    run_dir = os.path.abspath(os.path.expanduser(given))
     if os.path.exists(os.path.join(run_dir, rundir.RESULT_FILE)):
         raise AlreadyFinished(
             f"SLURM restart {slurm.restart_count()} of job {os.environ.get('SLURM_JOB_ID')}: "
@@ -221,29 +223,27 @@ def _resume_after_requeue(overrides):
     return [*overrides, f"resume={run_dir}"]
 
 
-def _key_given(overrides, key="resume"):
-    return any(_key(o) == key for o in overrides)
-
-
 def _resolve_resume(overrides, label):
     """``resume=true`` or ``resume=<run dir>`` becomes that directory, as the run directory too.
 
     Hydra's own files of the resumed job go to ``.hydra/resumed-<time>`` in it, so that nothing
     of the first start is overwritten.
     """
-    chosen = [o for o in overrides if _key(o) == "resume"]
-    rest = [o for o in overrides if _key(o) != "resume"]
-    if not chosen or chosen[-1].split("=", 1)[1].strip().lower() in _NO:
+    chosen = [o for o in overrides if command_line.key(o) == "resume"]
+    rest = [o for o in overrides if command_line.key(o) != "resume"]
+    value = command_line.last(chosen, "resume")
+    if value is None or value.lower() in _NO:
         return rest
-    value = chosen[-1].split("=", 1)[1].strip()
     if any(o in ("-m", "--multirun") for o in rest):
         raise ConfigError(
             "resume= continues one run, not a sweep; resume a sweep's job on its own with its "
             "overrides and resume=<its directory>."
         )
-    given_dir = [o.split("=", 1)[1].strip("'\"") for o in rest if _key(o) == "hydra.run.dir"]
+    given_dir = command_line.values(rest, "hydra.run.dir")
     assignments = [
-        o for o in rest if "=" in o and not o.startswith("-") and not _key(o).startswith("hydra.")
+        o
+        for o in rest
+        if "=" in o and not o.startswith("-") and not command_line.key(o).startswith("hydra.")
     ]
     if value.lower() in _YES and not given_dir and "strategy=multi_worker" in assignments:
         raise ConfigError(
@@ -263,7 +263,7 @@ def _resolve_resume(overrides, label):
         )
     rundir.check_resumable(run_dir, f"resume={value}")
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    return [o for o in rest if _key(o) != "hydra.run.dir"] + [
+    return [o for o in rest if command_line.key(o) != "hydra.run.dir"] + [
         f"resume='{run_dir}'",
         f"hydra.run.dir='{run_dir}'",
         f"hydra.output_subdir=.hydra/resumed-{stamp}",
@@ -310,12 +310,10 @@ class _Failure:
 
 def _check_run_dirs(options, assignments, launch):
     """Before Hydra writes into it: the run directory must be usable, writable and ours alone."""
-    fixed = [a.split("=", 1)[1].strip("'\"") for a in assignments if _key(a) == "hydra.run.dir"]
+    fixed = command_line.values(assignments, "hydra.run.dir")
     multirun = any(o in ("-m", "--multirun") for o in options)
     if multirun:
-        sweep = [
-            a.split("=", 1)[1].strip("'\"") for a in assignments if _key(a) == "hydra.sweep.dir"
-        ]
+        sweep = command_line.values(assignments, "hydra.sweep.dir")
         if sweep and os.path.isdir(sweep[-1]) and os.listdir(sweep[-1]):
             raise ConfigError(
                 f"hydra.sweep.dir={sweep[-1]} already holds a sweep's runs; a sweep never writes "
@@ -332,7 +330,7 @@ def _check_run_dirs(options, assignments, launch):
         rundir.check_writable(os.getcwd(), "the directory for run outputs,")
         return
     run_dir = os.path.abspath(fixed[-1])
-    resume = any(_key(a) == "resume" for a in assignments)
+    resume = command_line.given(assignments, "resume")
     chief = rundir.is_chief()  # other workers of a cluster share the chief's directory
     if os.path.isdir(run_dir):
         launch.kept_dir = run_dir
@@ -349,7 +347,9 @@ def _check_run_dirs(options, assignments, launch):
 def _start_again_in(run_dir, assignments):
     """A directory whose run stopped before its first checkpoint: the same command starts again
     in it, clean; another command is refused (its files would mix with the earlier start's)."""
-    if not _same_command(run_dir, [a for a in assignments if not _key(a).startswith("hydra")]):
+    if not _same_command(
+        run_dir, [a for a in assignments if not command_line.key(a).startswith("hydra")]
+    ):
         raise ConfigError(
             f"hydra.run.dir={run_dir} holds an earlier run of another command that stopped before "
             "its first checkpoint; its logs and settings would mix with this run's. Give a new "
@@ -536,7 +536,7 @@ def _hydra_overrides(command):
     if not rundir.is_chief():
         # Other workers share the chief's run directory (or have one that holds nothing): only
         # the chief writes Hydra's record of the job there.
-        assignments = [a for a in assignments if _key(a) != "hydra.output_subdir"]
+        assignments = [a for a in assignments if command_line.key(a) != "hydra.output_subdir"]
         extra.append("hydra.output_subdir=null")
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
         extra.append(f"hydra.run.dir={_RUN_DIR}")
@@ -588,7 +588,7 @@ def _validate_shown_config(command, overrides):
             cfg = compose(command.config_name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException):
         return
-    given = {_key(override) for override in cfg.hydra.overrides.task if "=" in override}
+    given = {command_line.key(override) for override in cfg.hydra.overrides.task if "=" in override}
     validate(cfg, given)
     objective.check(cfg.objective, cfg.dataset.validation_split, None)
 
@@ -653,7 +653,7 @@ def _job_failed(error, cfg, hydra_config, run_dir, launch):
     _record(error, run_dir, cfg, launch)
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         traceback.print_exception(error)
-    job = " ".join(o for o in hydra_config.overrides.task if _key(o) != "config")
+    job = " ".join(o for o in hydra_config.overrides.task if command_line.key(o) != "config")
     launch.failures.append(
         _Failure(f"#{hydra_config.job.num} ({job})", error.exit_code, str(error))
     )
@@ -719,9 +719,7 @@ def _end_of_sweep(launch):
 def _train(cfg, hydra_config, run_dir, launch):
     """Validate, take the run directory, start TensorFlow and train; the final metrics."""
     given = {
-        override.split("=", 1)[0].lstrip("+~")
-        for override in hydra_config.overrides.task
-        if "=" in override
+        command_line.key(override) for override in hydra_config.overrides.task if "=" in override
     }
     from gacli.runner.config import validate
 

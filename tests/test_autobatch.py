@@ -1,10 +1,12 @@
 """micro_batch_size=auto: the probe's search and choice, and a probed run that ends with the
 weights of a run given the chosen size by hand (GACLI_FAKE_OOM_ABOVE stands in for a device's
-memory: the real tf.errors.ResourceExhaustedError, raised from inside the compiled step)."""
+memory: the real tf.errors.ResourceExhaustedError, raised from inside the compiled step). On the
+default job, where nothing runs out of memory, the sizes stop at the training set's bound."""
 
 import glob
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -197,6 +199,7 @@ def test_the_sizes_are_bounded_by_the_data_and_the_noise_scale_before_probing():
         auto_candidates(cfg, AutoPlan(None, 6468, 1), 1617)
 
 
+@pytest.mark.slow
 def test_a_run_that_stops_on_its_input_before_probing_leaves_no_directory(tmp_path):
     code, output = ga_train("micro_batch_size=auto", "effective_batch_size=4096", cwd=tmp_path)
     assert code == 2 and "Traceback" not in output, output
@@ -205,6 +208,7 @@ def test_a_run_that_stops_on_its_input_before_probing_leaves_no_directory(tmp_pa
     assert not glob.glob(str(tmp_path / "outputs" / "*" / "*")), "the run's directory is removed"
 
 
+@pytest.mark.slow
 def test_sigterm_while_probing_ends_with_143_one_line_and_no_directory(tmp_path):
     # Many timed calls a size: the probe is still running when the signal comes.
     process = start_ga_train(
@@ -228,3 +232,17 @@ def test_sigterm_while_probing_ends_with_143_one_line_and_no_directory(tmp_path)
         "start over."
     ], output
     assert not glob.glob(str(tmp_path / "outputs" / "*" / "*")), "the run's directory is removed"
+
+
+@pytest.mark.slow
+def test_micro_batch_size_auto_on_the_default_job_fits_the_training_set(tmp_path):
+    code, output = ga_train("micro_batch_size=auto", "epochs=1", "progress=none", cwd=tmp_path)
+    assert code == 0, output[-3000:]
+    # Nothing runs out of memory on a CPU: the choice is the largest size as fast as the fastest
+    # (docs/guides/batch-probe.md), so it moves with the timings; its bound does not.
+    assert "sizes up to 359: 1438 training samples / accum_steps 4" in output, output
+    assert "        359  fits" in output and "        360  " not in output
+    (effective, micro) = re.search(
+        r"effective batch  (\d+) = micro_batch_size (\d+) x accum_steps 4", output
+    ).groups()
+    assert 1 <= int(micro) <= 359 and int(effective) == 4 * int(micro)

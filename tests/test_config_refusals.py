@@ -47,14 +47,6 @@ def test_no_micro_batch_gives_the_effective_batch_and_every_suggestion_works(
 # -- refused from the data: before the model, and no directory named -------------------------
 
 
-def test_a_micro_batch_larger_than_the_data_names_no_directory_it_removes(tmp_path):
-    code, output = ga_train("micro_batch_size=5000", "progress=none", cwd=tmp_path)
-    assert code == 2 and "Traceback" not in output, output
-    assert "ga-train: micro_batch_size = 5000 is larger than the training set" in output
-    assert "run directory:" not in output, output
-    assert not glob.glob(str(tmp_path / "outputs" / "*" / "*")), "the run's directory is removed"
-
-
 def test_a_schedule_larger_than_the_data_suggests_a_schedule_that_works():
     from gacli.runner.accum_schedule import check_schedule
     from gacli.runner.train import _check_batch_fits_data

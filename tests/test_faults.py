@@ -1,6 +1,7 @@
 """ga-train under bad input: each case ends in one paragraph that names the file, key or sample,
 exit code 2, no traceback, nothing trained, and no run directory left behind."""
 
+import glob
 import os
 import subprocess
 import sys
@@ -145,6 +146,9 @@ DATA_CASES = {
 }
 
 
+# Marked slow below: those ga-train runs load TensorFlow to read the data or to set up training
+# before they answer (seconds apiece).
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(DATA_CASES))
 def test_bad_arrays_are_named_before_training(kind, tmp_path):
     code, output = ga_train(*npz_case(tmp_path, kind), cwd=tmp_path)
@@ -152,7 +156,10 @@ def test_bad_arrays_are_named_before_training(kind, tmp_path):
     assert "allow_pickle" not in output  # numpy's advice would be the wrong one
 
 
+@pytest.mark.slow
 def test_a_micro_batch_larger_than_the_data_is_refused(tmp_path):
+    """Refused from the data's size, before the model is built: the message, and no run directory
+    named (the refusal removes the one Hydra made) nor left behind."""
     code, output = ga_train("micro_batch_size=5000", "accum_steps=1", cwd=tmp_path)
     assert_refused(
         code,
@@ -161,6 +168,8 @@ def test_a_micro_batch_larger_than_the_data_is_refused(tmp_path):
         "set, which holds 1438 samples",
         tmp_path,
     )
+    assert "run directory:" not in output, output
+    assert not glob.glob(str(tmp_path / "outputs" / "*" / "*")), "the run's directory is removed"
     code, output = ga_train("micro_batch_size=500", "accum_steps=4", cwd=tmp_path)
     assert_refused(
         code,
@@ -198,6 +207,7 @@ def image_folder(tmp_path, bad=True):
     ]
 
 
+@pytest.mark.slow
 def test_images_that_do_not_decode_are_named_before_training(tmp_path):
     code, output = ga_train(*image_folder(tmp_path), cwd=tmp_path)
     assert_refused(code, output, "2 of 26 images cannot be decoded", tmp_path)
@@ -205,6 +215,7 @@ def test_images_that_do_not_decode_are_named_before_training(tmp_path):
     assert "dataset.skip_bad_files=true" in output
 
 
+@pytest.mark.slow
 def test_skip_bad_files_trains_without_them(tmp_path):
     code, output = ga_train(
         *image_folder(tmp_path), "dataset.skip_bad_files=true", "progress=plain", cwd=tmp_path
@@ -231,6 +242,7 @@ def tfrecord_file(path, records=40):
             writer.write(example.SerializeToString())
 
 
+@pytest.mark.slow
 def test_a_damaged_tfrecord_file_is_named(tmp_path):
     good, bad = tmp_path / "a.tfrecord", tmp_path / "b.tfrecord"
     tfrecord_file(good)
@@ -248,6 +260,7 @@ def test_a_damaged_tfrecord_file_is_named(tmp_path):
     assert_refused(code, output, f"ga-train: {bad} is damaged after its first", tmp_path)
 
 
+@pytest.mark.slow
 def test_an_unwritable_checkpoint_folder_is_found_at_start(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -259,6 +272,7 @@ def test_an_unwritable_checkpoint_folder_is_found_at_start(tmp_path):
     assert (run_dir / "checkpoints").read_text() == "a file where the folder should be"
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_held_directory_is_refused(tmp_path):
     command = [
         os.path.join(os.path.dirname(sys.executable), "ga-train"),
@@ -296,7 +310,7 @@ def test_a_second_run_on_a_held_directory_is_refused(tmp_path):
 
 def test_bad_input_never_removes_a_directory_that_holds_something_else(tmp_path):
     # A folder of the user's is now refused as a run directory before anything else is checked
-    # (test_bad_input_round3.py), so the bad data path is never reached; the folder stays whole.
+    # (test_run_directories.py), so the bad data path is never reached; the folder stays whole.
     existing = tmp_path / "mine"
     existing.mkdir()
     (existing / "notes.txt").write_text("the user's own file")

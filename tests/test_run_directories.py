@@ -1,10 +1,14 @@
 """Run directories are never lost or rewritten: every command that writes one refuses a finished
 one; a process removes only a directory it made and holds; a worker that is not the chief is
 refused under a strategy of one process instead of training and saving nothing; result.json and
-epoch_logs.json get the umask's permissions; a SIGTERM before training says what was saved."""
+epoch_logs.json get the umask's permissions; a SIGTERM before training says what was saved; a
+folder of the user's is never written into; a run killed before its first checkpoint is not mixed
+with another command's; a full disk is named as such and the run resumes once there is room."""
 
+import glob
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -166,10 +170,15 @@ def test_a_sweeps_job_is_refused_a_finished_probe(tmp_path):
     assert sorted(os.listdir(run_dir / "branches")) == ["effective_128", "effective_32"]
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_refused_to_a_probe_and_a_check_and_its_files_get_the_umask(tmp_path):
+    """A finished run's directory is refused to a probe, a check and the same command again, each
+    with the line that says it is never written to again, and nothing in it changes; the files
+    the run wrote have the umask's permissions."""
+    first = (*QUICK, "steps_per_epoch=1", "hydra.run.dir=run")
     old = os.umask(0o027)
     try:
-        code, output = ga_train(*QUICK, "hydra.run.dir=run", cwd=tmp_path)
+        code, output = ga_train(*first, cwd=tmp_path)
     finally:
         os.umask(old)
     assert code == 0, output
@@ -177,9 +186,10 @@ def test_a_finished_run_is_refused_to_a_probe_and_a_check_and_its_files_get_the_
     for name in ("result.json", "checkpoints/epoch_logs.json", "model.keras", "resolved.yaml"):
         assert stat.S_IMODE(os.stat(run_dir / name).st_mode) == 0o640, name
     result = (run_dir / "result.json").read_text()
-    for command in (PROBE, CHECK, QUICK):
-        code, output = ga_train(*command, "hydra.run.dir=run", cwd=tmp_path)
-        assert code == 2 and f"{run_dir} holds a finished run, which" in output, output
+    for command in ((*PROBE, "hydra.run.dir=run"), (*CHECK, "hydra.run.dir=run"), first):
+        code, output = ga_train(*command, cwd=tmp_path)
+        assert code == 2 and "Traceback" not in output, output
+        assert f"{run_dir} holds a finished run, which is never written to again" in output, output
     assert (run_dir / "result.json").read_text() == result
     assert not (run_dir / "branches").exists() and not (run_dir / EQUIVALENCE_FILE).exists()
 
@@ -273,3 +283,79 @@ def test_sigterm_before_training_says_nothing_was_saved(tmp_path):
     ), output
     assert "Traceback" not in output
     assert not (tmp_path / "early").exists()
+
+
+# Other people's folders, a run killed before its first checkpoint, a full disk.
+@pytest.mark.slow
+def test_a_folder_of_the_users_is_never_written_into(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "model.keras").write_text("the user's own model")
+    code, output = ga_train("hydra.run.dir=mine", "epochs=1", cwd=tmp_path)
+    assert code == 2 and "already holds files that ga-train did not write (model.keras)" in (
+        output
+    ), output
+    assert os.listdir(tmp_path / "mine") == ["model.keras"]
+    assert (tmp_path / "mine" / "model.keras").read_text() == "the user's own model"
+    (tmp_path / "empty").mkdir()
+    code, output = ga_train(
+        "hydra.run.dir=empty", "epochs=1", "steps_per_epoch=1", "progress=none", cwd=tmp_path
+    )
+    assert code == 0, output  # an empty folder is fine
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_is_not_mixed_with_another(tmp_path):
+    first = ("hydra.run.dir=run", "epochs=3", "progress=plain", "micro_batch_size=8")
+    process = start_ga_train(*first, cwd=tmp_path)
+    deadline = time.time() + 120
+    while not glob.glob(str(tmp_path / "run" / "tensorboard" / "events.*")):
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not glob.glob(str(tmp_path / "run" / "checkpoints" / "ckpt-*"))
+    old_events = glob.glob(str(tmp_path / "run" / "tensorboard" / "events.*"))
+    code, output = ga_train("hydra.run.dir=run", "epochs=1", cwd=tmp_path)
+    assert code == 2 and "holds an earlier run of another command" in output, output
+    assert glob.glob(str(tmp_path / "run" / "tensorboard" / "events.*")) == old_events
+    code, output = ga_train(*first[:2], "progress=none", first[3], cwd=tmp_path)
+    assert code == 0, output  # the same command (progress may change) starts again, clean
+    events = glob.glob(str(tmp_path / "run" / "tensorboard" / "events.*"))
+    assert len(events) == 1 and events != old_events
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 420 KiB tmpfs: room for the default job's first checkpoint, not its second."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=420k", "tmpfs", str(mount_point)],
+        capture_output=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"could not mount a tmpfs: {done.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_named_as_such_and_the_run_resumes_once_there_is_room(tmp_path, small_disk):
+    # TensorFlow reports a full disk while checkpointing as a resource exhausted: it was taken
+    # for out of device memory ("try micro_batch_size=16"), then failure.json could not be
+    # written either (a traceback) and its 0-byte temporary file stayed.
+    run_dir = small_disk / "run"
+    code, output = ga_train("epochs=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert code == 1 and "Traceback" not in output, output
+    message = [line for line in output.splitlines() if line.startswith("ga-train: ")][-1]
+    assert message.startswith(f"ga-train: the disk of {run_dir} is full ("), message
+    assert "This is disk space, not device memory" in message and "micro_batch_size" not in message
+    assert f"continue with resume={run_dir}" in message
+    assert not glob.glob(str(run_dir / ".writing-*")) and not glob.glob(str(run_dir / ".model-*"))
+    subprocess.run(["mount", "-o", "remount,size=3m", str(small_disk)], check=True)
+    code, output = ga_train("epochs=2", f"resume={run_dir}", cwd=tmp_path)
+    assert code == 0, output
+    assert "resume: from epoch 2, micro-batch 0 of it" in output
+    assert os.path.exists(run_dir / "result.json") and os.path.exists(run_dir / "model.keras")

@@ -300,8 +300,17 @@ def record_failure(run_dir, exit_code, message):
 
 
 # What a new run writes before training starts: Hydra's record of the job, the lock, the
-# checkpoint folder it checked it could write to, and (late) the resolved config and event file.
-_BEFORE_TRAINING = {".hydra", LOCK_FILE, CHECKPOINT_DIR, "resolved.yaml", "tensorboard"}
+# checkpoint folder it checked it could write to, and (late) the resolved config and the files of
+# its loggers (gacli.runner.loggers): event files, metrics.csv, its MLflow run's id.
+_BEFORE_TRAINING = {
+    ".hydra",
+    LOCK_FILE,
+    CHECKPOINT_DIR,
+    "resolved.yaml",
+    "tensorboard",
+    "metrics.csv",
+    "mlflow_run.json",
+}
 
 
 def discard_unstarted(run_dir):

@@ -55,10 +55,13 @@ GUIDES = (
         "guides/batch-schedule.md#the-learning-rate-across-stages",
         "learning rate",
     ),
+    ("logger", "guides/loggers.md", "loggers"),
+    ("mlflow", "guides/loggers.md#mlflow", "MLflow"),
 )
 
-# Types the annotation cannot say: micro_batch_size is Any because it also takes the word auto.
-TYPES_SHOWN = {"micro_batch_size": "int or `auto`"}
+# Types the annotation cannot say: micro_batch_size is Any because it also takes the word auto,
+# logger because it also takes one name.
+TYPES_SHOWN = {"micro_batch_size": "int or `auto`", "logger": "list of names"}
 
 INTRO = """# Config reference
 

@@ -6,7 +6,10 @@ run by the tests. The line just above its fence may say how:
 - ``<!-- not run: <reason> -->``: the block is not run (it needs a cluster, a GPU, a container
   runtime, or hours); the test is skipped with the reason, so it is counted;
 - ``<!-- run as: <command> -->``: the shell command runs instead (the same job with smaller
-  settings, or the steps that make the block's placeholders real).
+  settings, or the steps that make the block's placeholders real);
+- ``<!-- save as: <path> -->``: the block (python, or yaml, which is otherwise not collected) is
+  written to that file, not run: a module or YAML file of a user's project that later blocks of
+  the page run (written before any later block of its page runs).
 
 Any other block runs as it is: a bash block with ``bash -eo pipefail``, a python block in one
 Python process per page, in order, so that a later block of a page may use what an earlier one
@@ -26,18 +29,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LANGUAGES = {"python": "python", "bash": "bash", "sh": "bash", "shell": "bash", "console": "bash"}
 NOT_RUN = re.compile(r"^<!-- not run: (?P<reason>.*\S) -->$")
 RUN_AS = re.compile(r"^<!-- run as: (?P<command>.*\S) -->$")
-MARK = re.compile(r"^\s*<!--\s*(not run|run as)\b")
+SAVE_AS = re.compile(r"^<!-- save as: (?P<path>[\w./-]+) -->$")
+MARK = re.compile(r"^\s*<!--\s*(not run|run as|save as)\b")
 FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^\s`]*)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Block:
     """One fenced block of a markdown file: where it starts, its language and code, and the mark
-    on the line above it (``not run``, ``run as`` or None) with its argument."""
+    on the line above it (``not run``, ``run as``, ``save as`` or None) with its argument."""
 
     path: str  # relative to the repository
     line: int  # the fence's line, counted from 1
-    language: str  # python or bash
+    language: str  # python or bash (or yaml, saved as a file)
     code: str
     mark: str = None
     argument: str = None
@@ -77,12 +81,16 @@ def blocks_of(path):
     lines = text.split("\n")
     found = []
     for line, info, code in fenced_blocks(text):
+        above = lines[line - 2].strip() if line >= 2 else ""
         language = LANGUAGES.get(info)
+        if language is None and info in ("yaml", "yml") and SAVE_AS.match(above):
+            language = "yaml"
         if language is None:
             continue
-        above = lines[line - 2].strip() if line >= 2 else ""
         mark = argument = None
-        if NOT_RUN.match(above):
+        if SAVE_AS.match(above):
+            mark, argument = "save as", SAVE_AS.match(above).group("path")
+        elif NOT_RUN.match(above):
             mark, argument = "not run", NOT_RUN.match(above).group("reason")
         elif RUN_AS.match(above):
             mark, argument = "run as", RUN_AS.match(above).group("command")

@@ -151,6 +151,7 @@ def test_the_event_file_is_read_back_by_tensorboard(tmp_path):
     assert [event.step for event in read.Tensors("train/loss")] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_ga_train_logs_the_counters_of_each_update_and_its_results_hold_none(tmp_path):
     rng = np.random.default_rng(0)
     data = tmp_path / "data.npz"

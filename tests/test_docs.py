@@ -46,6 +46,14 @@ def shell_runs():
 def test_block_runs(block, blocks_dir, python_pages, shell_runs):
     if block.mark == "not run":
         pytest.skip(f"not run: {block.argument}")
+    for earlier in BLOCKS:  # the page's files a later block reads, even when -k picks one
+        if earlier.path == block.path and earlier.line <= block.line and earlier.mark == "save as":
+            saved = os.path.join(blocks_dir, earlier.argument)
+            os.makedirs(os.path.dirname(saved), exist_ok=True)
+            with open(saved, "w") as file:
+                file.write(earlier.code)
+    if block.mark == "save as":
+        return
     if block.language == "python" and block.mark is None:
         page = python_pages(block.path)
         for earlier in BLOCKS:  # a page's blocks run in order, even when -k picks one
@@ -74,7 +82,7 @@ def test_every_mark_stands_above_a_block():
 
 def test_every_not_run_mark_gives_a_reason_and_run_as_a_command():
     for block in BLOCKS:
-        if block.mark:
+        if block.mark in ("not run", "run as"):
             assert len(block.argument) >= 10, f"{block.name}: say why, or what runs instead"
 
 

@@ -222,6 +222,8 @@ def _check_output(run_dir):
     return record_
 
 
+# Slow: the ga-train tests below load TensorFlow in a process each (the library's are above).
+@pytest.mark.slow
 @pytest.mark.exactness
 @pytest.mark.parametrize(
     "optimizer, tolerance, more",
@@ -248,6 +250,7 @@ def test_ga_train_check_passes_on_the_default_job(tmp_path, optimizer, tolerance
     assert "logits/kernel" in output  # the table
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.exactness
 def test_ga_train_check_under_two_replicas_against_the_single_device_big_batch(tmp_path):

@@ -44,10 +44,11 @@ QUICK = ("epochs=1", "progress=none", "hydra.sweep.dir=sweep")
             ("-m", "hydra/sweeper=optuna", "objective=val_accuracy", "hydra.sweeper.n_trials=1"),
             "ga-train: objective=val_accuracy is maximized, but the sweeper is set to minimize it",
         ),
-        (
+        pytest.param(
             ("objective=val_acuracy", "epochs=1"),
             "ga-train: objective=val_acuracy is not a metric this run logs; it logs loss, "
             "accuracy, val_loss, val_accuracy.",
+            marks=pytest.mark.slow,  # refused once TensorFlow has built the model
         ),
         (
             ("objective=val_loss", "dataset.validation_split=0", "epochs=1"),

@@ -194,6 +194,7 @@ def test_the_finiteness_test_by_a_scaled_product_finds_every_non_finite_element(
     from gacli.engine import window
 
     rng = np.random.default_rng(0)
+    traced_all_finite = tf.function(window._all_finite)  # one trace a shape, values as tensors
     for shape in [(784, 512), (512,), (3, 3, 8, 32), (40, 3), (16,)]:
         assert (window._scaled_product_rows(tf.zeros(shape)) is not None) == (shape[-1] >= 16)
         base = rng.normal(size=shape).astype("float32")
@@ -211,7 +212,7 @@ def test_the_finiteness_test_by_a_scaled_product_finds_every_non_finite_element(
         for name, array in cases.items():
             expected = bool(np.isfinite(array).all())
             eager = bool(window._all_finite(tf.constant(array)))
-            traced = bool(tf.function(window._all_finite)(tf.constant(array)))
+            traced = bool(traced_all_finite(tf.constant(array)))
             assert eager == traced == expected, (shape, name)
 
 
@@ -242,15 +243,20 @@ def test_the_finiteness_test_by_the_squared_norm_keeps_finite_squares_that_overf
         squared = window.squared_norm(gradients, marked=True)
         return window.all_finite(gradients, squared, marked=True), squared
 
+    # Traced once each (the cases share shapes and dtypes; their values are tensors).
+    traced = {
+        jit: (tf.function(check, jit_compile=jit), tf.function(check_marked, jit_compile=jit))
+        for jit in (False, True)
+    }
     for name, arrays in cases.items():
         expected = all(bool(np.isfinite(array).all()) for array in arrays)
         gradients = [tf.constant(array) for array in arrays]
         squared = float(window.squared_norm(gradients))
         assert np.isfinite(squared) == (name == "normal"), name  # the fallback is exercised
         for jit in (False, True):
-            found = bool(tf.function(check, jit_compile=jit)(gradients))
+            found = bool(traced[jit][0](gradients))
             assert found == expected, (name, jit)
-            found, marked = tf.function(check_marked, jit_compile=jit)(gradients)
+            found, marked = traced[jit][1](gradients)
             assert bool(found) == expected, (name, jit, "marked")
             # The same norm where every element is finite (inf where squares overflow).
             if expected:

@@ -194,6 +194,7 @@ def test_under_xla_the_run_stops_and_resumes_with_the_smaller_micro_batch(tmp_pa
     assert row["samples_seen"] == 2 * 1438, row
 
 
+@pytest.mark.slow
 def test_without_recover_the_error_says_what_to_type(tmp_path):
     code, output = ga_train(*JOB, "epochs=1", cwd=tmp_path, env={"GACLI_FAKE_OOM_ABOVE": "8"})
     assert code == 1, output
@@ -216,6 +217,7 @@ def test_when_nothing_fits_the_error_says_so_without_a_traceback(tmp_path):
     assert "not even one sample per micro-batch fits" in message, message
 
 
+@pytest.mark.slow
 def test_bad_settings_are_refused_before_training(tmp_path):
     code, output = ga_train(*JOB, cwd=tmp_path, env={"GACLI_FAKE_OOM_ABOVE": "many"})
     assert code == 2 and "GACLI_FAKE_OOM_ABOVE='many' must be a whole number" in output, output

@@ -43,6 +43,8 @@ def run(tmp_path_factory):
         return cwd, targets, run_dir, json.load(handle)
 
 
+# Slow: the tests of the run fixture share one ga-train run (TensorFlow loads in it).
+@pytest.mark.slow
 def test_a_regression_run_learns_and_logs_mae_and_rmse(run):
     _, targets, run_dir, result = run
     assert {"mae", "rmse", "val_mae", "val_rmse"} <= set(result)
@@ -55,6 +57,7 @@ def test_a_regression_run_learns_and_logs_mae_and_rmse(run):
     assert {"train/mae", "val/mae", "train/rmse", "val/rmse"} <= tags, sorted(tags)
 
 
+@pytest.mark.slow
 def test_an_objective_regression_does_not_log_is_refused_with_the_metrics_it_does(run):
     cwd = run[0]
     code, output = ga_train(*REGRESSION, "objective=val_accuracy", cwd=cwd)
@@ -64,6 +67,7 @@ def test_an_objective_regression_does_not_log_is_refused_with_the_metrics_it_doe
     assert "val_mae" in first and "val_rmse" in first, first
 
 
+@pytest.mark.slow
 def test_ga_report_shows_the_regression_metrics_lower_is_better(run):
     cwd, _, run_dir, result = run
     code, output = ga_report(os.path.dirname(run_dir), "--out", str(cwd / "report"), cwd=cwd)
@@ -132,9 +136,10 @@ def test_tfrecord_targets_train_as_rows_of_their_values(tmp_path):
             "ga-train: dataset.task=regression reads float targets from dataset=npz or "
             "dataset=tfrecord",
         ),
-        (
+        pytest.param(
             ("dataset=npz", "dataset.path=strings.npz", "dataset.task=regression"),
             "ga-train: strings.npz: dataset.task=regression needs float targets",
+            marks=pytest.mark.slow,  # refused once TensorFlow has read the file
         ),
     ],
     ids=["image_folder", "string_targets"],

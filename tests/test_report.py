@@ -46,6 +46,8 @@ def report(sweep, tmp_path_factory):
     return code, output, data, out
 
 
+# Slow: the tests of the sweep fixture share one ga-train sweep of three UNet runs.
+@pytest.mark.slow
 def test_the_table_has_one_row_per_run_with_its_effective_batch(report):
     code, output, data, out = report
     assert code == 0, output
@@ -66,6 +68,7 @@ def test_the_table_has_one_row_per_run_with_its_effective_batch(report):
         assert f"ga-train config=unet.yaml accum_steps={accum_steps} epochs=1" in text
 
 
+@pytest.mark.slow
 def test_values_equal_each_runs_result_and_event_file(report):
     _, output, data, _ = report
     for row in data["runs"]:
@@ -93,6 +96,7 @@ def _colour_present(pixels, colour):
     return int(np.sum(np.all(np.abs(pixels[..., :3].astype(float) - target) <= 2, axis=-1)))
 
 
+@pytest.mark.slow
 def test_plots_are_pngs_with_one_line_per_run(report):
     from PIL import Image
 
@@ -111,6 +115,7 @@ def test_plots_are_pngs_with_one_line_per_run(report):
     assert "![validation against samples seen](validation.png)" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_sort_by_any_column_best_first(sweep, tmp_path):
     code, output = ga_report(
         sweep[1], "--sort", "samples_per_sec", "--no-plots", "--out", str(tmp_path), cwd=sweep[0]
@@ -137,6 +142,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.slow
 def test_ga_report_reads_event_files_without_tensorflow(sweep, tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", READ_WITHOUT_TENSORFLOW, sweep[1], "--out", str(tmp_path)],
@@ -149,6 +155,7 @@ def test_ga_report_reads_event_files_without_tensorflow(sweep, tmp_path):
     record(float(done.stdout.split("SECONDS")[1].split()[0]), "ga-report, 3 runs, seconds")
 
 
+@pytest.mark.slow
 def test_sixteen_runs_are_read_in_under_five_seconds(sweep, tmp_path):
     jobs = sorted(glob.glob(os.path.join(sweep[1], "*_accum_steps=*")))
     for copy in range(16):
@@ -175,10 +182,19 @@ BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize("arguments, message", BAD_INPUT, ids=["missing", "empty", "sort"])
-def test_bad_input_is_a_clear_error(arguments, message, sweep, tmp_path):
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        pytest.param(*BAD_INPUT[0], id="missing"),
+        pytest.param(*BAD_INPUT[1], id="empty"),
+        pytest.param(*BAD_INPUT[2], id="sort", marks=pytest.mark.slow),  # reads the sweep
+    ],
+)
+def test_bad_input_is_a_clear_error(arguments, message, request, tmp_path):
     (tmp_path / "empty" / "some" / "folder").mkdir(parents=True)
-    arguments = [sweep[1] if argument == "SWEEP" else argument for argument in arguments]
+    if "SWEEP" in arguments:
+        sweep = request.getfixturevalue("sweep")
+        arguments = [sweep[1] if argument == "SWEEP" else argument for argument in arguments]
     code, output = ga_report(*arguments, cwd=tmp_path)
     assert code == 2 and "Traceback" not in output, output
     assert output.splitlines()[0].startswith(message), output

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from helpers import (
+    compose_config,
     ga_train,
     interrupt_after_checkpoints,
     record,
@@ -40,19 +41,49 @@ def start_and_interrupt(cwd, number, arguments=JOB):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("uninterrupted")
-    code, output = ga_train(*JOB, cwd=cwd)
-    assert code == 0, output
-    return run_dir_of(output)
+    """JOB's run directory, trained without a stop: ga-train's training, in this process (the
+    reference the interrupted runs, started as users start them, must end at)."""
+    from gacli.runner.train import train
+
+    run_dir = str(tmp_path_factory.mktemp("uninterrupted") / "run")
+    train(compose_config(*JOB), run_dir)
+    return run_dir
 
 
 @pytest.mark.slow
 def test_kill_9_then_resume_equals_uninterrupted_run(tmp_path, uninterrupted):
+    """One run killed with -9 after its first checkpoint checks:
+
+    - an unfinished run is resumed with its own settings only: started again into its directory
+      without resume= it is refused with the way to resume; with another setting, refused naming
+      it; resume=true finds no run of another command, and names the unfinished one;
+    - then resume=true (with another progress display, free to change) goes on in the same
+      directory, keeps Hydra's files of the first start, and ends with the uninterrupted run's
+      weights (contract row C5).
+    """
     code, output = start_and_interrupt(tmp_path, signal.SIGKILL)
     assert code == -signal.SIGKILL, output
     (run_dir,) = glob.glob(os.path.join(tmp_path, "outputs", "default", "*"))
     assert not os.path.exists(os.path.join(run_dir, "result.json"))
     first_start = open(os.path.join(run_dir, ".hydra", "config.yaml")).read()
+
+    # Started again without resume=, into the same directory: refused, with the way to resume.
+    code, output = ga_train(*JOB, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert code == 2 and f"resume={run_dir}" in output, output
+    # With other settings: refused, naming the setting.
+    code, output = ga_train(
+        "epochs=3",
+        "progress=plain",
+        "checkpoint_every_updates=3",
+        "accum_steps=8",
+        f"resume={run_dir}",
+        cwd=tmp_path,
+    )
+    assert code == 2 and "accum_steps=4 (now 8)" in output, output
+    # resume=true looks for a run of the same command only.
+    code, output = ga_train("accum_steps=8", "resume=true", cwd=tmp_path)
+    assert code == 2 and "no unfinished run" in output, output
+    assert os.path.basename(run_dir) in output, output
 
     # The same command, with another progress display (free to change on resume).
     resumed = [a for a in JOB if not a.startswith("progress=")] + ["progress=none"]
@@ -120,29 +151,6 @@ def test_a_checkpoint_after_an_epochs_last_micro_batch_resumes_at_the_next_epoch
     assert _segments((1, 4), 10, 3, per_epoch=True) == [(1, 2, 6, 4), (2, 3, 10, 0)]
 
 
-@pytest.mark.slow
-def test_an_unfinished_run_is_resumed_with_its_own_settings_only(tmp_path):
-    code, output = start_and_interrupt(tmp_path, signal.SIGKILL)
-    (run_dir,) = glob.glob(os.path.join(tmp_path, "outputs", "default", "*"))
-    # Started again without resume=, into the same directory: refused, with the way to resume.
-    code, output = ga_train(*JOB, f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert code == 2 and f"resume={run_dir}" in output, output
-    # With other settings: refused, naming the setting.
-    code, output = ga_train(
-        "epochs=3",
-        "progress=plain",
-        "checkpoint_every_updates=3",
-        "accum_steps=8",
-        f"resume={run_dir}",
-        cwd=tmp_path,
-    )
-    assert code == 2 and "accum_steps=4 (now 8)" in output, output
-    # resume=true looks for a run of the same command only.
-    code, output = ga_train("accum_steps=8", "resume=true", cwd=tmp_path)
-    assert code == 2 and "no unfinished run" in output, output
-    assert os.path.basename(run_dir) in output, output
-
-
 STREAM_MEMORY = """
 import resource, numpy as np, tensorflow as tf
 from gacli.runner.runstate import PassOrder, micro_batch_stream
@@ -156,6 +164,7 @@ print("GROWTH", peak() - before)
 """
 
 
+@pytest.mark.slow
 def test_a_stream_of_many_passes_holds_the_data_once():
     # Each pass over the data is a pipeline of its own; tf.data's default graph rewrites would
     # copy in-memory data into each (ten passes over 16 MB: about +150 MB).
@@ -304,6 +313,7 @@ print("lock free; held:", len(rundir._held))
 """
 
 
+@pytest.mark.slow
 def test_a_resumed_run_that_finishes_sets_its_failure_aside_and_frees_its_lock(tmp_path):
     """A run that fails while training (an out-of-memory error injected at micro-step 50, in its
     second epoch) leaves failure.json; resumed, it finishes: result.json, no failure.json (the

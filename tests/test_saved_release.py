@@ -19,6 +19,10 @@ import pytest
 
 import gacli
 
+# Slow: gacli 0.1.0 saves its models in a Python process of its own, and one test loads them in
+# another, each loading TensorFlow.
+pytestmark = pytest.mark.slow
+
 RELEASE = "b67c725"  # gacli 0.1.0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAKER = os.path.join(ROOT, "tests", "fixtures", "release_0_1_0", "make_models.py")

@@ -148,6 +148,8 @@ def saved_models(tmp_path_factory):
     return folder
 
 
+# Slow: a Python process a case, each loading TensorFlow.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "imports",
     [

@@ -27,6 +27,7 @@ def test_printing_the_config_refuses_what_a_run_refuses(tmp_path, shown):
     assert code == 0 and "effective_batch_size: 100" in output, output
 
 
+@pytest.mark.slow
 def test_a_sweep_goes_on_past_a_job_refused_on_its_data_and_names_it_at_the_end(tmp_path):
     # The digits' training set holds 1438 samples: a window of 100 x 32 is refused once the data
     # has loaded, the next job trains.

@@ -71,7 +71,9 @@ _NUMBERS = ("optimizer_step", "micro_step", "host_peak_rss_bytes", "gradient_noi
 # A job folder of a -m sweep: "<job number>_<overrides>" (hydra.sweep.subdir), or the number alone.
 _JOB_FOLDER = re.compile(r"^\d+(_.*)?$")
 _NOT_SWEPT = ("hydra.", "resume")  # overrides that say where a run went, not what it did
-_SKIP_DIRS = {"checkpoints", "tensorboard"}
+# mlartifacts: the copies of runs' files that MLflow keeps beside a sweep's mlflow.db
+# (logger=[mlflow]); its result.json files are not runs of their own.
+_SKIP_DIRS = {"checkpoints", "tensorboard", "mlartifacts"}
 
 
 class ReportError(ConfigError):

@@ -30,6 +30,7 @@ import tensorflow as tf
 from omegaconf import OmegaConf
 
 from gacli.errors import Interrupted
+from gacli.runner.config import shown_name
 from gacli.runner.memory_stats import _memory_devices
 from gacli.runner.oom import oom_line
 
@@ -281,9 +282,11 @@ def probe_key(cfg, data, strategy):
         if device.device_type != "CPU"
     ] or ["CPU"]
     return {
-        "model": cfg.model.factory or cfg.model.name,
+        "model": cfg.model.factory or shown_name(cfg.model),
         "model_kwargs": OmegaConf.to_container(cfg.model.kwargs, resolve=True),
-        "input_shape": list(data.input_shape),
+        "input_shape": {name: list(shape) for name, shape in data.input_shape.items()}
+        if isinstance(data.input_shape, dict)
+        else list(data.input_shape),
         "precision": cfg.precision.policy.value,
         "devices": devices,
         "replicas": strategy.num_replicas_in_sync,

@@ -32,7 +32,7 @@ from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, write_json
 from gacli.runner.console import make_console
 from gacli.runner.runstate import micro_batch_stream
 from gacli.runner.throughput import samples_per_second
-from gacli.runner.train import Run, _precision_policy, build_job, loss_and_metrics, plan_steps
+from gacli.runner.train import Run, _precision_policy, build_job, job_loss_and_metrics, plan_steps
 
 PROBE_FILE = "probe.json"
 PLOT_FILE = "probe.png"
@@ -130,7 +130,7 @@ class StartPoint:
         (whole micro-batches only): a dict, or None with fewer than two micro-batches."""
         cfg, run = self.cfg, self.run
         model = self.job.model
-        loss, _ = loss_and_metrics(run.data.task, run.data.num_outputs)
+        loss, _ = job_loss_and_metrics(cfg, run.data.task, run.data.num_outputs)
         micro = run.plan.global_micro_batch_size
         count = cfg.probe.samples // micro
         if count < 2:
@@ -141,16 +141,17 @@ class StartPoint:
         stream = micro_batch_stream(run.data.train, micro, per_pass, 0, count, run.order)
 
         @tf.function
-        def gradients(x, y):
+        def gradients(x, y, sample_weight=None):
             with tf.GradientTape() as tape:
-                value = loss(y, tf.cast(model(x, training=True), "float32"))
+                predicted = tf.cast(model(x, training=True), "float32")
+                value = loss(y, predicted, sample_weight=sample_weight)
             return tape.gradient(value, model.trainable_variables)
 
         total, squared, used = None, 0.0, 0
-        for x, y in stream:
-            if int(tf.shape(x)[0]) != micro:
+        for x, y, *weights in stream:  # (x, y) or (x, y, sample weights); x may be a dict
+            if int(tf.shape(y)[0]) != micro:
                 continue
-            grads = [np.asarray(g, "float64") for g in gradients(x, y) if g is not None]
+            grads = [np.asarray(g, "float64") for g in gradients(x, y, *weights) if g is not None]
             squared += sum(float(np.sum(g * g)) for g in grads)
             total = grads if total is None else [t + g for t, g in zip(total, grads)]
             used += 1

@@ -445,20 +445,18 @@ def _check_command_line(argv, launch):
         )
         return None
     rundir.is_chief()  # a TF_CONFIG that cannot be read is refused here, before Hydra starts
-    from gacli.runner.user_config import check_overrides, check_user_yaml
+    from gacli.runner.user_config import check_overrides, own_sections
 
-    if not config_path.startswith("pkg://"):
-        check_user_yaml(
-            os.path.join(config_path, config_name),
-            config,
-            {group: _names("gacli.configs", group) for group in GROUPS},
-        )
+    content = _primary_content(config_path, config_name, config)
+    # model._target_=... (on the command line or in the file) chooses model=own.
+    own, added = own_sections([a for a in overrides if "=" in a and a[:1] != "-"], content)
+    overrides = added + overrides
     # Hydra's parser wants its options (-m, --cfg job, ...) before the key=value overrides;
     # a bare --info would take the next override for its argument.
     options = [
         "--info=all" if a == "--info" else a for a in overrides if a.startswith("-") or "=" not in a
     ]
-    check_overrides([a for a in overrides if a not in options and a != "--info"])
+    check_overrides([a for a in overrides if a not in options and a != "--info"], own)
     shows = [o for o in options if o.startswith(("--cfg", "--info", "-c", "-i", "--shell"))]
     if shows and any(o in ("-m", "--multirun") for o in options):
         raise ConfigError(
@@ -478,6 +476,25 @@ def _check_command_line(argv, launch):
     if not any(o.startswith(("--cfg", "--info", "-c", "-i")) for o in options):
         _check_run_dirs(options, assignments, launch)
     return _Command(config_path, config_name, label, options, assignments, overrides)
+
+
+def _primary_content(config_path, config_name, config):
+    """The content of the primary YAML: a shipped recipe's, or the user's file's, checked
+    (:func:`gacli.runner.user_config.check_user_yaml`); None for the default job."""
+    import yaml
+
+    from gacli.runner.user_config import check_user_yaml
+
+    if not config_path.startswith("pkg://"):
+        return check_user_yaml(
+            os.path.join(config_path, config_name),
+            config,
+            {group: _names("gacli.configs", group) for group in GROUPS},
+        )
+    if config_name == "train":
+        return None
+    package = config_path[len("pkg://") :]
+    return yaml.safe_load((resources.files(package) / f"{config_name}.yaml").read_text())
 
 
 def _run_hydra(command, launch):
@@ -590,7 +607,7 @@ def _validate_shown_config(command, overrides):
         return
     given = {command_line.key(override) for override in cfg.hydra.overrides.task if "=" in override}
     validate(cfg, given)
-    objective.check(cfg.objective, cfg.dataset.validation_split, None)
+    objective.check(cfg.objective, cfg.dataset.validation_split, None, cfg.get("metrics"))
 
 
 def _task(cfg, launch):
@@ -616,7 +633,7 @@ def _task(cfg, launch):
     launch.searching = directions is not None
     launch.sweep_dir = hydra_config.sweep.dir
     try:
-        objective.check(cfg.objective, cfg.dataset.validation_split, directions)
+        objective.check(cfg.objective, cfg.dataset.validation_split, directions, cfg.get("metrics"))
     except ConfigError as error:  # the same for every trial: the sweep itself is wrong
         _exit_on(error, run_dir, cfg, launch)
     try:

@@ -15,10 +15,11 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from gacli.engine.options import TF32, BatchNormPolicy, NonFinite, PartialWindow
+from gacli.engine.options import TF32, BatchNormPolicy, LossNormalization, NonFinite, PartialWindow
 from gacli.engine.settings import AccumulationConfig
 from gacli.errors import ConfigError, Interrupted  # noqa: F401  (imported from here by callers)
 from gacli.runner.accum_schedule import check_schedule
+from gacli.runner.loggers import check_loggers
 
 # The accumulation settings that ga-train shares with the library take the library's defaults;
 # the one that differs, nonfinite, is gacli.runner.train.NONFINITE_WITHOUT_LOSS_SCALING.
@@ -38,6 +39,8 @@ FREE_ON_RESUME = (
     "oom",
     "auto_batch",
     "objective",
+    "logger",
+    "mlflow",
 )
 AUTO = "auto"  # micro_batch_size=auto: probe the device for the micro-batch
 # probe=batch's keys (configs/probe/batch.yaml): an open dict in the schema, because one of its
@@ -59,6 +62,7 @@ class OptimizerName(str, enum.Enum):
     adam = "adam"
     adamw = "adamw"
     rmsprop = "rmsprop"
+    own = "own"  # optimizer._target_: your own Keras optimizer, wrapped for accumulation
 
 
 class Schedule(str, enum.Enum):
@@ -110,48 +114,74 @@ class Pick(str, enum.Enum):
     fastest = "fastest"  # the one with the most samples/s among those that fit
 
 
+# A section whose _target_ is the user's own (model=own, dataset=own, optimizer=own; setting
+# <section>._target_ chooses it): the target, "package.module.callable", is called with the
+# section's other keys, except those ga-train reads itself (OWN_SECTION_KEYS), and returns what
+# the section makes (docs/guides/own-model.md). The section takes keys the schema does not
+# declare, as the callable's arguments (register_configs leaves it open).
+OWN = "own"
+
+
 @dataclass
 class ModelConfig:
+    # model=own: what builds your keras.Model, e.g. my_pkg.nets.Net; its arguments are the other
+    # model.* keys, and input_shape and num_outputs (and task) come from the data where it takes
+    # them and they are not given
+    _target_: Optional[str] = None
     name: str = "mlp"  # a registered model, or a keras.applications name (e.g. ResNet50)
     factory: Optional[str] = None  # "package.module:function" returning a keras.Model
     kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the factory / application
-    hidden_units: List[int] = field(default_factory=lambda: [64, 64])  # mlp
-    filters: List[int] = field(default_factory=lambda: [16, 32])  # cnn
-    depth: int = 3  # unet levels; resnet stages
-    base_filters: int = 16  # unet and resnet width
-    dropout: float = 0.0
+    hidden_units: Optional[List[int]] = field(default_factory=lambda: [64, 64])  # mlp
+    filters: Optional[List[int]] = field(default_factory=lambda: [16, 32])  # cnn
+    depth: Optional[int] = 3  # unet levels; resnet stages
+    base_filters: Optional[int] = 16  # unet and resnet width
+    dropout: Optional[float] = 0.0
 
 
 @dataclass
 class DatasetConfig:
-    name: str = "digits"  # shapes | digits | npz | image_folder | tfrecord
+    # dataset=own: what returns (train, validation) as tf.data.Datasets of unbatched (x, y) or
+    # (x, y, sample_weight), or as tuples of arrays; validation may be None. Its arguments are the
+    # other dataset.* keys, and seed and validation_split where it takes them.
+    _target_: Optional[str] = None
+    name: str = "digits"  # shapes | digits | npz | image_folder | tfrecord | own
     path: Optional[str] = None  # file or directory for npz, image_folder, tfrecord
-    num_samples: int = 256  # shapes
-    image_size: int = 32  # shapes; image_folder resize
-    channels: int = 1  # shapes; image_folder (1 or 3)
+    num_samples: Optional[int] = 256  # shapes
+    image_size: Optional[int] = 32  # shapes; image_folder resize
+    channels: Optional[int] = 1  # shapes; image_folder (1 or 3)
     num_classes: int = 0  # 0: inferred from the data
-    validation_split: float = 0.1  # the fraction held out for validation (a seeded split)
+    # the fraction held out for validation (a seeded split); dataset=own: of the training data
+    # when the target returns no validation data (0: the run has none)
+    validation_split: float = 0.1
     shuffle: bool = True  # each pass over the training data in its own seeded order
-    x_key: str = "x"  # npz
-    y_key: str = "y"  # npz: labels, or masks of the images' size (then it is segmentation)
-    features: Dict[str, Any] = field(default_factory=dict)  # tfrecord: name -> {shape, dtype}
-    input_key: str = "image"  # tfrecord feature used as input
-    label_key: str = "label"  # tfrecord feature used as target
-    skip_bad_files: bool = False  # image_folder: train without images that cannot be decoded
+    x_key: Optional[str] = "x"  # npz
+    y_key: Optional[str] = "y"  # npz: labels, or masks of the images' size (then segmentation)
+    # tfrecord: name -> {shape, dtype}
+    features: Optional[Dict[str, Any]] = field(default_factory=dict)
+    input_key: Optional[str] = "image"  # tfrecord feature used as input
+    label_key: Optional[str] = "label"  # tfrecord feature used as target
+    # image_folder: train without images that cannot be decoded
+    skip_bad_files: Optional[bool] = False
     task: Task = Task.auto  # what the targets are; picks the model's head, loss and metrics
 
 
 @dataclass
 class OptimizerConfig:
+    # optimizer=own: what returns your keras.optimizers.Optimizer, e.g. keras.optimizers.Lion;
+    # its arguments are the other optimizer.* keys but ga-train's own (schedule, warm-up,
+    # scaling, AGC), and learning_rate: the schedule ga-train makes of optimizer.learning_rate
+    _target_: Optional[str] = None
     name: OptimizerName = OptimizerName.adam
     learning_rate: float = MISSING  # the optimizer group's file, then configs/train.yaml
-    momentum: float = 0.9  # the momentum optimizer's momentum
-    weight_decay: float = 0.0  # adamw (decoupled); other optimizers: Keras' weight_decay
+    momentum: Optional[float] = 0.9  # the momentum optimizer's momentum
+    # adamw (decoupled); other optimizers: Keras' weight_decay
+    weight_decay: Optional[float] = 0.0
     clipnorm: Optional[float] = None  # each gradient's norm, clipped once per update
     global_clipnorm: Optional[float] = None  # all gradients' norm together, once per update
     use_agc: bool = _LIBRARY.use_agc  # adaptive gradient clipping, once per update
     clip_factor: float = _LIBRARY.clip_factor
-    use_ema: bool = False  # Keras' moving average of the weights, updated once per update
+    # Keras' moving average of the weights, updated once per update
+    use_ema: Optional[bool] = False
     schedule: Schedule = Schedule.constant
     warmup_updates: int = 0  # linear warm-up, in optimizer updates
     decay_rate: float = 0.5  # exponential: factor per decay_updates
@@ -230,6 +260,22 @@ class CheckConfig:
 
 
 @dataclass
+class LossConfig:
+    # A keras.losses.Loss, e.g. keras.losses.Huber, its arguments the other loss.* keys (null:
+    # the task's: cross-entropy for classes and masks, squared error for regression)
+    _target_: Optional[str] = None
+
+
+@dataclass
+class MlflowConfig:
+    # With mlflow in logger: the tracking store, e.g. http://localhost:5000 (None: sqlite:///<the
+    # run directory's parent>/mlflow.db, one file for a sweep's jobs or a recipe's outputs/ runs).
+    tracking_uri: Optional[str] = None
+    experiment_name: Optional[str] = None  # None: ga-train-<config>, e.g. ga-train-unet
+    run_name: Optional[str] = None  # None: the run directory's name
+
+
+@dataclass
 class TrainConfig:
     config: str = "default"  # the recipe or YAML file this run was composed from
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -239,6 +285,13 @@ class TrainConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    # The compiled metrics: names Keras knows (mae) or {_target_: keras.metrics.AUC, name: auc},
+    # which objective= may name (null: the task's: accuracy, iou, or mae and rmse)
+    metrics: Optional[List[Any]] = None
+    # Keras callbacks of your own, each {_target_: package.module.Callback, its arguments},
+    # called after ga-train's own
+    callbacks: List[Any] = field(default_factory=list)
     # Samples per forward/backward pass, per replica; "auto": the largest that fits the device.
     # The default job's values of these are in configs/train.yaml; null: derived from the others.
     micro_batch_size: Any = MISSING
@@ -255,6 +308,9 @@ class TrainConfig:
     oom: OutOfMemory = OutOfMemory.fail  # an out-of-memory error while training
     wrapper: Wrapper = Wrapper.auto
     partial_window: PartialWindow = _LIBRARY.partial_window
+    # window_weights: the window's loss divided by its total sample weight (e.g. its real tokens,
+    # from a dataset that gives (x, y, sample_weight)); batch: Keras' mean per micro-batch
+    loss_normalization: LossNormalization = _LIBRARY.loss_normalization
     batchnorm: BatchNormPolicy = BatchNormPolicy.keep
     precise_bn_micro_batches: int = 200  # batchnorm=precise: training micro-batches pooled
     epochs: int = MISSING  # passes over the training data (the default job's: configs/train.yaml)
@@ -279,6 +335,10 @@ class TrainConfig:
     # samples and measure the critical batch, instead of one run; probe.effective_sizes,
     # probe.samples, probe.from, probe.tolerance (configs/probe/batch.yaml) say how.
     probe: Dict[str, Any] = field(default_factory=lambda: {"name": "none"})
+    # Where the run's scalars go, a list of: tensorboard (event files in <run dir>/tensorboard),
+    # csv (<run dir>/metrics.csv), mlflow (a run in the mlflow.* tracking store).
+    logger: Any = field(default_factory=lambda: ["tensorboard"])
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # read with mlflow in logger
     output_dir: str = MISSING  # set from the Hydra run directory
 
 
@@ -294,12 +354,41 @@ GROUPS = {
 }
 
 
+# The sections whose keys may be a target's arguments: open for keys the schema does not declare
+# (the declared ones keep their types). A key that no run reads is refused before composing
+# (gacli.runner.user_config), except in a section with the user's own _target_.
+OPEN_SECTIONS = ("model", "dataset", "optimizer", "loss")
+# The keys of an own section that ga-train reads itself: never passed to its target.
+OWN_SECTION_KEYS = {
+    "model": ("_target_", "name", "factory", "kwargs"),
+    "dataset": ("_target_", "name", "validation_split", "shuffle", "task", "num_classes"),
+    "optimizer": (
+        "_target_",
+        "name",
+        "learning_rate",
+        "schedule",
+        "warmup_updates",
+        "decay_rate",
+        "decay_updates",
+        "lr_scaling",
+        "base_batch_size",
+        "use_agc",
+        "clip_factor",
+    ),
+    "loss": ("_target_",),
+}
+
+
 def register_configs():
     """Register the schema so that YAML files are validated against it."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     store = ConfigStore.instance()
-    store.store(name="gacli_schema", node=TrainConfig)
+    schema = OmegaConf.structured(TrainConfig)
+    for section in OPEN_SECTIONS:
+        OmegaConf.set_struct(schema[section], False)
+    store.store(name="gacli_schema", node=schema)
     for group, schema in GROUPS.items():
         store.store(group=group, name="gacli_schema", node=schema)
 
@@ -501,6 +590,18 @@ def _auto_plan(accum, effective, replicas):
     return AutoPlan(accum, effective, replicas)
 
 
+def is_own(section):
+    """Whether a group's section is the user's own (``model=own``: built by its ``_target_``)."""
+    return str(getattr(section.name, "value", section.name)) == OWN
+
+
+def shown_name(section):
+    """What a group's section is called in messages: its choice, or the user's own target."""
+    if is_own(section):
+        return str(section._target_)
+    return str(getattr(section.name, "value", section.name))
+
+
 def expected_replicas(strategy):
     """Replicas a strategy config will have, where that is known without TensorFlow, else None."""
     if strategy.name in (StrategyName.default, StrategyName.one_device):
@@ -566,10 +667,73 @@ def validate(cfg, given=()):
             "micro-batches that batchnorm=precise pools), e.g. precise_bn_micro_batches=200."
         )
     _validate_check(cfg)
+    _validate_targets(cfg)
+    check_loggers(cfg, given)
+
+
+def _validate_targets(cfg):
+    """The ``_target_`` of each section, the entries of ``metrics`` and ``callbacks``: each a
+    dotted path where one is given, and one only where it is read; ``model.factory``'s form."""
+    from omegaconf import OmegaConf
+
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
         raise ConfigError(
             f"model.factory={cfg.model.factory} must be 'package.module:function', e.g. "
             "model.factory=mypkg.models:build_model."
+        )
+
+    for group in ("model", "dataset", "optimizer"):
+        section = cfg[group]
+        missing = OmegaConf.is_missing(section, "_target_")
+        if not missing and section._target_ and not is_own(section):
+            raise ConfigError(
+                f"{group}._target_={section._target_} names your own {group}, but this run "
+                f"chooses {group}={shown_name(section)}, whose settings would be passed to it. "
+                f"Drop the {group}= choice: {group}._target_ alone chooses {group}=own, whose "
+                f"section holds only the {group}.* keys you give."
+            )
+        if is_own(section) and not missing and section._target_:
+            _check_target_path(f"{group}._target_", section._target_)
+    if cfg.loss._target_ is not None:
+        _check_target_path("loss._target_", cfg.loss._target_)
+    elif len(cfg.loss) > 1:
+        extra = sorted(set(cfg.loss) - {"_target_"})[0]
+        raise ConfigError(
+            f"loss.{extra} is an argument of loss._target_, which is not set; give the loss too, "
+            f"e.g. loss._target_=keras.losses.Huber loss.{extra}=..., or drop loss.{extra}."
+        )
+    for key, entries in (("metrics", cfg.metrics or []), ("callbacks", cfg.callbacks)):
+        for index, entry in enumerate(entries):
+            if key == "metrics" and isinstance(entry, str) and entry.strip():
+                continue
+            target = entry.get("_target_") if OmegaConf.is_dict(entry) else None
+            if not isinstance(target, str):
+                example = EXAMPLE_TARGETS[key]
+                raise ConfigError(
+                    f"{key}[{index}]={entry} is not "
+                    + ("a metric's name nor " if key == "metrics" else "")
+                    + f"a mapping with a _target_; write e.g. '{key}=[{{_target_: {example}}}]'."
+                )
+            _check_target_path(f"{key}[{index}]._target_", target)
+
+
+EXAMPLE_TARGETS = {
+    "model": "my_pkg.nets.Net",
+    "dataset": "my_pkg.data.make",
+    "optimizer": "keras.optimizers.Lion",
+    "metrics": "keras.metrics.AUC",
+    "callbacks": "keras.callbacks.CSVLogger, filename: log.csv",
+}
+
+
+def _check_target_path(key, target):
+    """ConfigError for a ``_target_`` that is not a dotted import path."""
+    parts = str(target).split(".")
+    if len(parts) < 2 or not all(part.isidentifier() for part in parts):
+        raise ConfigError(
+            f"{key}={target} must name a class or function by its full import path, "
+            "package.module.name, e.g. my_pkg.nets.Net (a module of your own importable where "
+            "ga-train runs, or keras.losses.Huber)."
         )
 
 
@@ -829,21 +993,21 @@ def _validate_ranges(cfg):
             lower = f"{'>=' if closed else '>'} {low}"
             upper = f" and {'<' if key == 'model.dropout' else '<='} {high}" if high else ""
             raise ConfigError(f"{key}={value} must be {lower}{upper}, e.g. {example}.")
-    sizes = [*cfg.model.hidden_units, *cfg.model.filters]
+    sizes = [*(cfg.model.hidden_units or []), *(cfg.model.filters or [])]
     if any(size < 1 for size in sizes):
         raise ConfigError(
             f"model.hidden_units={list(cfg.model.hidden_units)} and model.filters="
             f"{list(cfg.model.filters)} must hold layer widths >= 1, e.g. "
             "model.hidden_units=[64,64]."
         )
-    if cfg.dataset.task == Task.regression and cfg.dataset.name not in ("npz", "tfrecord"):
+    if cfg.dataset.task == Task.regression and cfg.dataset.name not in ("npz", "tfrecord", OWN):
         raise ConfigError(
             f"dataset.task=regression reads float targets from dataset=npz or dataset=tfrecord, "
             f"and dataset={cfg.dataset.name} has class labels or masks; save the inputs and "
             "targets with numpy.savez('train.npz', x=inputs, y=targets) and give dataset=npz "
             "dataset.path=train.npz dataset.task=regression, or drop dataset.task."
         )
-    if cfg.dataset.channels not in (1, 3):
+    if cfg.dataset.channels not in (1, 3, None):
         raise ConfigError(
             f"dataset.channels={cfg.dataset.channels} must be 1 (grey) or 3 (colour), e.g. "
             "dataset.channels=3."
@@ -893,6 +1057,8 @@ def _refuse_inert_keys(cfg, given):
         choice = getattr(choice, "value", choice)
         if choice in readers or (decider == "model.name" and cfg.model.factory):
             continue
+        if decider.endswith(".name") and choice == OWN:
+            continue  # an own section's keys are its target's arguments
         # A group's name is chosen as the group (dataset=shapes), other deciders as keys.
         typed = decider.removesuffix(".name")
         shown = " or ".join(f"{typed}={str(reader).lower()}" for reader in readers)

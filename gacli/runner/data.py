@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from gacli.errors import ConfigError
+from gacli.runner import targets
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
 
@@ -556,12 +557,218 @@ def _first_unparsable(file, spec, start):
     return 0
 
 
+def own(cfg, seed):
+    """The user's own data: what ``dataset._target_`` returns, (train, validation), each a
+    ``tf.data.Dataset`` of unbatched ``(x, y)`` or ``(x, y, sample_weight)`` or a tuple of such
+    arrays, read once: counted, checked (finite numbers, class labels) and described."""
+    source = f"dataset._target_={cfg._target_}"
+    fill = {"seed": seed, "validation_split": cfg.validation_split}
+    made = targets.build("dataset", targets.own_arguments(cfg, "dataset"), targets.ANYTHING, fill)
+    if not isinstance(made, (tuple, list)) or len(made) != 2:
+        raise ConfigError(
+            f"{source} returned {targets.described(made)}, not a pair (train, validation); "
+            "return e.g. `return train, None` (validation may be None: dataset.validation_split "
+            "of the training data is then held out)."
+        )
+    train = _own_part(made[0], source, "training")
+    validation = None if made[1] is None else _own_part(made[1], source, "validation")
+    if validation is not None and not cfg.validation_split:
+        raise ConfigError(
+            f"{source} returned validation data, but dataset.validation_split=0 says this run has "
+            "none; drop dataset.validation_split=0 (the validation data is used as it is), or "
+            "return None for it."
+        )
+    spec = _own_spec(train, source, "training")
+    if validation is not None and not _same_structure(spec, validation.element_spec):
+        raise ConfigError(
+            f"{source}: its validation elements ({validation.element_spec}) are not shaped as "
+            f"its training elements ({spec}); return both in the same form."
+        )
+    count, labels = _scan_own(train, source, "training")
+    task, num_outputs = _own_task(cfg, spec, labels, source)
+    train_rows, validation, validation_size, held = _own_validation(
+        cfg, seed, (train, validation, count), source
+    )
+    if task == "classification" and held is not None:
+        _check_labels(held.reshape(-1), cfg, f"{source} (validation)", num_outputs)
+    if len(train_rows) < count:
+        train = _held_out(train, train_rows, count)
+    x_spec = spec[0]
+    return DataBundle(
+        train.apply(tf.data.experimental.assert_cardinality(len(train_rows))),
+        validation,
+        len(train_rows),
+        validation_size,
+        {name: tuple(part.shape) for name, part in x_spec.items()}
+        if isinstance(x_spec, dict)
+        else tuple(x_spec.shape),
+        task,
+        num_outputs,
+        tuple(spec[1].shape),
+        sample_name=lambda position: f"element {train_rows[position]}",
+        source=source,
+    )
+
+
+def _own_validation(cfg, seed, parts, source):
+    """(positions of the training data kept for training, the validation data, its size, its
+    targets where it was read). ``parts``: (training data, validation data or None, samples in
+    the training data). Without validation data, dataset.validation_split of the training data
+    is held out, a seeded choice of positions."""
+    train, validation, count = parts
+    if validation is None and cfg.validation_split:
+        kept, held = (np.sort(rows) for rows in _split_order(count, cfg.validation_split, seed))
+        return kept, _held_out(train, held, count), len(held), None
+    if validation is None:
+        return np.arange(count), None, 0, None
+    size, targets = _scan_own(validation, f"{source} (validation)", "validation")
+    return np.arange(count), validation, size, targets
+
+
+def _own_part(part, source, what):
+    """A part of what a dataset target returned, as a ``tf.data.Dataset``."""
+    if isinstance(part, tf.data.Dataset):
+        if part.cardinality() == tf.data.INFINITE_CARDINALITY:
+            raise ConfigError(
+                f"{source}: its {what} data never ends (a repeat() without a count?); return one "
+                "pass over it: ga-train makes the epochs and the order of each."
+            )
+        return part
+    if isinstance(part, (tuple, list)) and len(part) in (2, 3):
+        arrays = [
+            {name: np.asarray(leaf) for name, leaf in item.items()}
+            if isinstance(item, dict)
+            else np.asarray(item)
+            for item in part
+        ]
+        lengths = {len(leaf) for item in arrays for leaf in tf.nest.flatten(item) if leaf.ndim}
+        if len(lengths) != 1 or any(leaf.ndim == 0 for leaf in tf.nest.flatten(arrays)):
+            raise ConfigError(
+                f"{source}: the {what} arrays have {sorted(lengths) or 'no'} rows; inputs, targets "
+                "(and sample weights) need one row per sample, the same number in each."
+            )
+        floats = lambda leaf: leaf.astype("float32") if leaf.dtype == np.float64 else leaf  # noqa: E731
+        try:
+            return tf.data.Dataset.from_tensor_slices(tuple(tf.nest.map_structure(floats, arrays)))
+        except (TypeError, ValueError) as error:
+            raise ConfigError(
+                f"{source}: its {what} arrays cannot be read as numbers ({_reason(error)}); "
+                "return numeric NumPy arrays (x, y) or (x, y, sample_weight)."
+            ) from None
+    raise ConfigError(
+        f"{source}: its {what} part is {'a ' + type(part).__name__}, neither a tf.data.Dataset nor "
+        "a tuple of arrays (x, y) or (x, y, sample_weight); return one of those."
+    )
+
+
+def _own_spec(dataset, source, what):
+    """The element spec of a dataset target's data, checked: (x, y) or (x, y, w), x a tensor or
+    a dict of tensors, every part of one known shape (the unbatched sample's) and numeric."""
+    spec = dataset.element_spec
+    form = "elements (x, y) or (x, y, sample_weight), x a tensor or a dict of tensors"
+    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+        raise ConfigError(f"{source}: its {what} elements are {spec}; return {form}.")
+    parts = list(spec[0].values()) if isinstance(spec[0], dict) else [spec[0]]
+    parts += list(spec[1:])
+    for part in parts:
+        if not isinstance(part, tf.TensorSpec) or not (
+            part.dtype.is_floating or part.dtype.is_integer or part.dtype.is_bool
+        ):
+            raise ConfigError(
+                f"{source}: its {what} elements hold {part}; return {form} of numbers."
+            )
+        if not part.shape.is_fully_defined():
+            raise ConfigError(
+                f"{source}: its {what} elements have a part of shape {part.shape}, not one fixed "
+                "shape; return unbatched samples of one shape each (a batched dataset: "
+                ".unbatch(); ga-train batches them by micro_batch_size)."
+            )
+    return spec
+
+
+def _same_structure(spec, other):
+    try:
+        tf.nest.assert_same_structure(spec, other)
+    except (ValueError, TypeError):
+        return False
+    return all(a.shape == b.shape for a, b in zip(tf.nest.flatten(spec), tf.nest.flatten(other)))
+
+
+def _scan_own(dataset, source, what):
+    """(samples, targets) of a dataset target's data, read once in batches; ConfigError naming
+    the element for inputs, targets or sample weights that are not finite (or weights < 0)."""
+    count, targets = 0, []
+    try:
+        for batch in dataset.batch(1024).as_numpy_iterator():
+            checked = [("inputs", leaf) for leaf in tf.nest.flatten(batch[0])]
+            checked += [("targets", batch[1]), ("sample weights", batch[2:3] and batch[2])]
+            for name, values in checked:
+                _refuse_nonfinite(values, name, f"{source}: the {name} of {what} element", count)
+            targets.append(batch[1])
+            count += len(batch[1])
+    except tf.errors.OpError as error:
+        raise ConfigError(
+            f"{source}: reading its {what} data failed after {count} elements ({_reason(error)})."
+        ) from None
+    if count == 0:
+        raise ConfigError(f"{source}: its {what} data holds no samples; return some.")
+    return count, np.concatenate(targets)
+
+
+def _refuse_nonfinite(values, name, where, first):
+    """ConfigError for the first row of a batch ``values`` (rows from ``first`` on) that holds
+    inf or nan (or, for sample weights, a negative weight)."""
+    rows = np.asarray(values).reshape(len(values), -1) if len(values) else None
+    if rows is None or rows.dtype.kind != "f":
+        return
+    bad = ~np.isfinite(rows).all(axis=1)
+    if name == "sample weights":
+        bad |= (rows < 0).any(axis=1)
+    if bad.any():
+        raise ConfigError(
+            f"{where} {first + int(np.flatnonzero(bad)[0])} ({int(bad.sum())} in its batch of "
+            f"{len(rows)}) hold inf or nan"
+            + (" or a negative weight" if name == "sample weights" else "")
+            + ", which would turn every weight into nan; fix or drop those samples."
+        )
+
+
+def _own_task(cfg, spec, targets, source):
+    """(task, num_outputs) of a dataset target's data: regression where dataset.task says so,
+    segmentation for float masks of the inputs' size, else integer class labels (one a sample,
+    or one a position: a sequence's tokens)."""
+    x, y = spec[0], spec[1]
+    per_sample = int(np.prod(y.shape))
+    rows = targets.reshape(len(targets), per_sample)
+    if cfg.task == "regression":
+        return "regression", _check_targets(
+            rows.astype("float32"), source, lambda r: f"element {r}"
+        )
+    image_like = not isinstance(x, dict) and len(y.shape) >= 2 and len(x.shape) == len(y.shape)
+    if y.dtype.is_floating and image_like and x.shape[:-1] == y.shape[:-1]:
+        return "segmentation", int(y.shape[-1])
+    name = lambda flat: f"element {flat // per_sample}"  # noqa: E731
+    return "classification", _check_labels(targets.reshape(-1), cfg, source, None, name)
+
+
+def _held_out(dataset, rows, count):
+    """The elements of ``dataset`` at the sorted positions ``rows`` (of ``count``), in order."""
+    keep = np.zeros(count, bool)
+    keep[rows] = True
+    kept = tf.constant(keep)
+    picked = dataset.enumerate().filter(lambda index, element: tf.gather(kept, index))
+    return picked.map(lambda index, element: element).apply(
+        tf.data.experimental.assert_cardinality(len(rows))
+    )
+
+
 LOADERS = {
     "digits": digits,
     "shapes": shapes,
     "npz": npz,
     "image_folder": image_folder,
     "tfrecord": tfrecord,
+    "own": own,
 }
 
 

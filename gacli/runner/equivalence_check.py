@@ -12,6 +12,7 @@ import os
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from gacli.engine.equivalence import EquivalenceInputError, check_equivalence
 from gacli.errors import ConfigError, TrainingFailed
@@ -20,7 +21,7 @@ from gacli.runner.config import Wrapper
 from gacli.runner.models import build_model
 from gacli.runner.optimizers import build_optimizer
 from gacli.runner.runstate import micro_batch_stream
-from gacli.runner.train import Run, accumulation_config, choose_wrapper, loss_and_metrics
+from gacli.runner.train import Run, accumulation_config, choose_wrapper, job_loss_and_metrics
 
 EQUIVALENCE_FILE = "equivalence.json"
 
@@ -49,9 +50,9 @@ def run_equivalence_check(cfg, run_dir, given=()):
     )
     keras.utils.set_random_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
-    loss, _ = loss_and_metrics(data.task, data.num_outputs)
+    loss, _ = job_loss_and_metrics(cfg, data.task, data.num_outputs)
     optimizer = build_optimizer(cfg.optimizer, plan.effective_batch_size, run.steps.total_updates)
-    x, y = first_window(run)
+    x, y, *weights = first_window(run)
     wrapper, _ = choose_wrapper(cfg)
     try:
         result = check_equivalence(
@@ -62,6 +63,7 @@ def run_equivalence_check(cfg, run_dir, given=()):
             micro_batch_size=plan.micro_batch_size,
             optimizer=optimizer,
             loss=loss,
+            sample_weight=weights[0] if weights else None,
             wrapper="optimizer" if wrapper is Wrapper.optimizer else "model",
             tolerance=cfg.check.tolerance,
             strategy=strategy,
@@ -84,8 +86,9 @@ def run_equivalence_check(cfg, run_dir, given=()):
 
 
 def first_window(run):
-    """(inputs, targets) of the run's first window, in the order training would see them: its
-    ``accum_steps`` micro-batches of the first pass, a short last one included."""
+    """(inputs, targets) or (inputs, targets, sample weights) of the run's first window, in the
+    order training would see them: its ``accum_steps`` micro-batches of the first pass, a short
+    last one included; inputs that are a dict stay one."""
     plan, data = run.plan, run.data
     if plan.effective_batch_size > data.train_size:
         raise ConfigError(
@@ -102,7 +105,4 @@ def first_window(run):
         order=run.order,
     )
     batches = list(stream.as_numpy_iterator())
-    return (
-        np.concatenate([batch[0] for batch in batches]),
-        np.concatenate([batch[1] for batch in batches]),
-    )
+    return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *batches)

@@ -2,7 +2,8 @@
 
 Every builder takes ``(input_shape, num_outputs, task, cfg)`` and returns an uncompiled functional
 ``keras.Model`` with logits outputs (for regression, linear outputs of the targets' width).
-``model.factory=package.module:function`` is the one escape hatch for the user's own model; any
+The user's own model is ``model._target_=package.module.callable`` (``model=own``, built by
+:mod:`gacli.runner.targets`), or the older ``model.factory=package.module:function``; any
 ``keras.applications`` name works with ``weights=None``.
 """
 
@@ -10,7 +11,8 @@ import importlib
 
 import keras
 
-from gacli.runner.config import ConfigError
+from gacli.runner import targets
+from gacli.runner.config import ConfigError, is_own
 
 # BN moving statistics move once per optimizer update under batchnorm=accumulate, as they would with
 # one big batch: short runs have few updates, so the registry's models use 0.9 rather than Keras'
@@ -156,6 +158,15 @@ REGISTRY = {"mlp": mlp, "cnn": cnn, "unet": unet, "resnet": resnet}
 
 def build_model(cfg, input_shape, num_outputs, task):
     """The uncompiled model named by ``cfg`` for data of ``input_shape``."""
+    if is_own(cfg):
+        # input_shape: a tuple, or {input name: tuple} for data whose inputs are a dict.
+        shape = (
+            {name: tuple(dims) for name, dims in input_shape.items()}
+            if isinstance(input_shape, dict)
+            else tuple(input_shape)
+        )
+        fill = {"input_shape": shape, "num_outputs": num_outputs, "task": task}
+        return targets.build("model", targets.own_arguments(cfg, "model"), targets.MODEL, fill)
     if cfg.factory:
         return factory(input_shape, num_outputs, task, cfg)
     builder = REGISTRY.get(cfg.name)

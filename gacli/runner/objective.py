@@ -13,6 +13,7 @@ No TensorFlow import.
 
 import difflib
 import math
+import re
 
 from gacli.errors import ConfigError
 
@@ -28,13 +29,34 @@ _SMALLER_IS_BETTER = (
     "mape",
     "msle",
     "hinge",
+    "perplexity",
 )
 _LARGER_IS_BETTER = ("accuracy", "acc", "iou", "auc", "precision", "recall", "f1", "dice", "r2")
 # Every metric a ga-train run can log (gacli.runner.train.loss_and_metrics compiles them): the loss
 # and its compiled metrics: accuracy, iou for masks of one class, or mae and rmse for regression;
-# val_ of each with validation data. A sweep whose objective is none of them is refused before its
-# first trial trains.
+# val_ of each with validation data; or, where metrics= is given, those (logged_metrics). A sweep
+# whose objective is none of them is refused before its first trial trains.
 LOGGED = ("loss", "accuracy", "iou", "mae", "rmse")
+
+
+def logged_metrics(metrics=None):
+    """The metric names a run logs besides val_ ones: LOGGED, or with ``metrics=`` given, the loss
+    and the names of those: a string as written, a ``_target_``'s ``name``, else the name Keras
+    gives its class (keras.metrics.MeanAbsoluteError: mean_absolute_error)."""
+    if metrics is None:
+        return LOGGED
+    names = ["loss"]
+    for entry in metrics:
+        if isinstance(entry, str):
+            names.append(entry)
+        elif entry.get("name"):
+            names.append(str(entry["name"]))
+        else:
+            words = re.findall(
+                r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+", str(entry["_target_"]).split(".")[-1]
+            )
+            names.append("_".join(word.lower() for word in words))
+    return tuple(names)
 
 
 def metric_name(objective, validation_split):
@@ -52,10 +74,11 @@ def direction(objective):
     return None
 
 
-def check(objective, validation_split, sweeper_directions):
+def check(objective, validation_split, sweeper_directions, metrics=None):
     """ConfigError, before training, for an objective no run can report or that the sweeper would
     optimise the wrong way. ``sweeper_directions``: the sweeper's ``direction`` setting (a string
-    or a list of one), or None for sweepers that optimise nothing (Hydra's basic sweeper)."""
+    or a list of one), or None for sweepers that optimise nothing (Hydra's basic sweeper);
+    ``metrics``: the ``metrics=`` setting (None: the task's)."""
     if objective is not None and not objective.strip():
         raise ConfigError("objective= is empty; name a metric, e.g. objective=val_loss.")
     objective = metric_name(objective, validation_split)
@@ -69,13 +92,18 @@ def check(objective, validation_split, sweeper_directions):
         return  # one run: check_metric names the metrics of its data before training
     # A sweep's objective is the same for every trial: a name no run logs ends the sweep here,
     # where every trial would otherwise train and then fail, leaving the sweeper no result.
-    if objective.removeprefix("val_") not in LOGGED:
-        known = [*LOGGED, *(f"val_{name}" for name in LOGGED)] if validation_split else LOGGED
+    logged = logged_metrics(metrics)
+    if objective.removeprefix("val_") not in logged:
+        known = [*logged, *(f"val_{name}" for name in logged)] if validation_split else logged
         near = difflib.get_close_matches(objective, known, n=1)
         raise ConfigError(
             f"objective={objective} is not a metric a ga-train run logs; it logs "
-            f"{', '.join(known)} (accuracy for classes, iou for masks of one class, mae and rmse "
-            "for regression). "
+            f"{', '.join(known)}"
+            + (
+                " (accuracy for classes, iou for masks of one class, mae and rmse for regression). "
+                if metrics is None
+                else " (the loss and metrics=). "
+            )
             + (f"Did you mean objective={near[0]}? " if near else "")
             + f"Give one of those, e.g. objective={'val_loss' if validation_split else 'loss'}."
         )

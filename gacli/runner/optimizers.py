@@ -11,7 +11,8 @@ import math
 import keras
 
 from gacli.engine.schedules import LinearWarmup
-from gacli.runner.config import LRScaling, OptimizerName, Schedule
+from gacli.runner import targets
+from gacli.runner.config import LRScaling, OptimizerName, Schedule, is_own
 
 
 def scaled_learning_rate(cfg, effective_batch_size):
@@ -49,6 +50,11 @@ def build_optimizer(cfg, effective_batch_size, total_updates, learning_rate=None
     schedule's scaled rate)."""
     if learning_rate is None:
         learning_rate = learning_rate_schedule(cfg, effective_batch_size, total_updates)
+    if is_own(cfg):
+        # The schedule, warm-up and scaling stay ga-train's: the target gets their result.
+        arguments = targets.own_arguments(cfg, "optimizer")
+        fill = {"learning_rate": learning_rate}
+        return targets.build("optimizer", arguments, targets.OPTIMIZER, fill)
     common = dict(
         learning_rate=learning_rate,
         clipnorm=cfg.clipnorm,

@@ -1,4 +1,8 @@
-"""TensorBoard logging of a run, stepped by optimizer update.
+"""The run's scalars, stepped by optimizer update, and TensorBoard's writer of them.
+
+:class:`RunLogger` works them out once per update and hands the same (tag, number) pairs to each
+writer that ``logger=`` names (:mod:`gacli.runner.loggers`); :class:`TensorBoardWriter` is the
+default one.
 
 Tags: ``batch/{effective_size,micro_size,accum_steps,replicas}`` (the configuration),
 ``batch/update_samples`` (the samples the update was taken over), ``train/<metric>``,
@@ -32,6 +36,7 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from gacli.engine.window import read_now
 from gacli.runner.console import micro_batches_done
+from gacli.runner.loggers import ScalarWriter
 from gacli.runner.memory_stats import device_memory_bytes, host_memory_bytes
 from gacli.runner.throughput import samples_per_second
 
@@ -141,32 +146,63 @@ def _memory_scalars():
     return scalars
 
 
-class TensorBoardLogger(keras.callbacks.Callback):
-    """Writes the run's scalars once per optimizer update, and val metrics once per epoch.
+class TensorBoardWriter(ScalarWriter):
+    """The run's event file under ``tensorboard/`` (``logger=[tensorboard]``, the default), with
+    the run's hyper-parameters for TensorBoard's HParams tab, written when training starts.
 
-    One event per update holds all of that update's scalars, written from Python (cheaper than a
+    Args:
+        log_dir: where the event file goes (the run directory's ``tensorboard/``).
+        hparams: dict of hyper-parameters for the HParams tab.
+    """
+
+    def __init__(self, log_dir, hparams):
+        os.makedirs(log_dir, exist_ok=True)
+        self.file = EventFile(log_dir)
+        self.hparams = hparams
+        self._events = UpdateEvents()
+
+    def start(self, step):
+        self.file.add_event(
+            event_pb2.Event(wall_time=time.time(), summary=hparams_summary.hparams_pb(self.hparams))
+        )
+
+    def write(self, step, scalars):
+        self.file.add_event(self._events.event(step, scalars))
+
+    def flush(self):
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+class RunLogger(keras.callbacks.Callback):
+    """Works out the run's scalars once per optimizer update, and val metrics once per epoch,
+    and writes them to each of ``writers``: the one list of what a run logs.
+
+    One write per update holds all of that update's scalars, from Python (cheaper than a
     ``tf.summary`` op per scalar, which matters when updates take milliseconds). The
     optimizer's counter is looked at only once a window can have closed (``accum_steps``
     micro-batches after the last update), not every micro-batch.
 
     Args:
-        log_dir: where the event file goes (the run directory's ``tensorboard/``).
+        writers: the :class:`~gacli.runner.loggers.ScalarWriter` of each logger (e.g. a
+            :class:`TensorBoardWriter`), from :func:`gacli.runner.loggers.open_writers`.
         plan: the run's :class:`~gacli.runner.config.BatchPlan`.
         accumulator: the run's GradientAccumulateOptimizer (counters, learning rate).
-        hparams: dict of hyper-parameters for the HParams tab.
         clock: the run's :class:`~gacli.runner.throughput.TrainingClock`, placed before this
             callback (samples per micro-batch, training time); the progress display reads the
             same one.
+
+    Example:
+        >>> logger = RunLogger([TensorBoardWriter("run/tensorboard", {})], plan, accumulator, clock)
     """
 
-    def __init__(self, log_dir, plan, accumulator, hparams, clock):
+    def __init__(self, writers, plan, accumulator, clock):
         super().__init__()
-        os.makedirs(log_dir, exist_ok=True)
-        self.writer = EventFile(log_dir)
-        self._events = UpdateEvents()
+        self.writers = list(writers)
         self.plan = plan
         self.accumulator = accumulator
-        self.hparams = hparams
         self.clock = clock
         self._started = False
         self._last_step = 0
@@ -184,16 +220,33 @@ class TensorBoardLogger(keras.callbacks.Callback):
         """The batch arithmetic after an out-of-memory recovery (``oom=recover``)."""
         self.plan, self.oom_recoveries = plan, recoveries
 
-    def _write(self, step, values):
-        self.writer.add_event(
-            event_pb2.Event(
-                step=int(step), wall_time=time.time(), summary=summary_pb2.Summary(value=values)
-            )
-        )
+    def _write(self, step, scalars):
+        """(tag, number) pairs at optimizer update ``step``, to every writer."""
+        self._start()
+        for writer in self.writers:
+            writer.write(step, scalars)
 
     def write_scalars(self, step, scalars):
         """``scalars`` ({tag: number}) at optimizer step ``step``, e.g. a schedule's decision."""
-        self._write(step, [_scalar_value(tag, value) for tag, value in scalars.items()])
+        self._write(step, list(scalars.items()))
+
+    def _start(self):
+        """The writers told where the job starts, once: at its first fit(), or at a schedule's
+        decision just before it (after a resumed run's restore, both)."""
+        if not self._started:
+            self._started = True
+            for writer in self.writers:
+                writer.start(int(read_now(self.accumulator.optimizer_step)))
+
+    def _flush(self):
+        for writer in self.writers:
+            writer.flush()
+
+    def checkpointed(self):
+        """A checkpoint was saved: it holds every update logged so far
+        (:class:`~gacli.runner.runstate.RunState` calls this after each save)."""
+        for writer in self.writers:
+            writer.checkpointed()
 
     def _open_window(self):
         """(micro-batches of the run, micro-batches of them in the open window)."""
@@ -204,13 +257,7 @@ class TensorBoardLogger(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         # Called once per fit(); a resumed run's first epoch is a fit() of its own.
-        if not self._started:
-            self._started = True
-            self.writer.add_event(
-                event_pb2.Event(
-                    wall_time=time.time(), summary=hparams_summary.hparams_pb(self.hparams)
-                )
-            )
+        self._start()
         self._last_step = int(read_now(self.accumulator.optimizer_step))
         # A run resumed in the middle of a window has that window's micro-batches behind it.
         # (A plain model's fit() builds the optimizer in its first step: no window yet.)
@@ -225,7 +272,7 @@ class TensorBoardLogger(keras.callbacks.Callback):
     def on_test_begin(self, logs=None):
         # The file is flushed as events come, at most every 10 s: a long validation would
         # otherwise hold the last updates' events back from a live TensorBoard.
-        self.writer.flush()
+        self._flush()
 
     def on_train_batch_end(self, batch, logs=None):
         done = micro_batches_done(batch, self.params)
@@ -297,8 +344,7 @@ class TensorBoardLogger(keras.callbacks.Callback):
         if self.clock.first_call_seconds is not None and not self._first_call_logged:
             self._first_call_logged = True
             numbers.append(("time/first_call_seconds", self.clock.first_call_seconds))
-        scalars = [*self._plan_values(), *numbers, *_memory_scalars()]
-        self.writer.add_event(self._events.event(step, scalars))
+        self._write(step, [*self._plan_values(), *numbers, *_memory_scalars()])
         self._last_step, self._last_reading = step, reading
         self._window_start = window_end
         self._micro_batches_since = in_window
@@ -315,16 +361,23 @@ class TensorBoardLogger(keras.callbacks.Callback):
             self._window_start = int(read_now(self.accumulator.micro_step))
             self._micro_batches_since = 0
         values = [
-            _scalar_value(f"val/{name[4:]}", number)
+            (f"val/{name[4:]}", number)
             for name, number in ((name, _number(value)) for name, value in (logs or {}).items())
             if name.startswith("val_") and number is not None
         ]
         if values:
             self._write(step, values)
-        self.writer.flush()
+        self._flush()
 
     def on_train_end(self, logs=None):
-        self.writer.flush()
+        self._flush()
 
     def close(self):
-        self.writer.close()
+        """Training ended: each writer closes its files (before the result is written)."""
+        for writer in self.writers:
+            writer.close()
+
+    def end(self, status, reason=None):
+        """The job ended (:func:`gacli.runner.loggers.ended_with_the_job`)."""
+        for writer in self.writers:
+            writer.end(status, reason)

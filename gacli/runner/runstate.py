@@ -140,6 +140,9 @@ class RunState:
         self.max_to_keep = max_to_keep
         self._scratch = None if chief else tempfile.mkdtemp(prefix="gacli-worker-")
         self._manager = None  # made on the first save, after restore() has set the folder right
+        # Called with no argument after each save: loggers that send only what a checkpoint
+        # holds (gacli.runner.mlflow_run), so that a resumed run logs no update twice.
+        self.after_save = []
 
     @property
     def manager(self):
@@ -216,7 +219,10 @@ class RunState:
             write_json(os.path.join(self.directory, EPOCH_LOGS), kept)
         self.epoch.assign(epoch)
         self.micro_batch.assign(micro_batch)
-        return self.manager.save()
+        saved = self.manager.save()
+        for listener in self.after_save:
+            listener()
+        return saved
 
     def epoch_logs(self, epochs_done=None):
         """The metrics kept at epoch ends, epochs done (a string) -> {name: value}; with

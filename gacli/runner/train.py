@@ -71,16 +71,18 @@ from gacli.runner.config import (
     Policy,
     Wrapper,
     resolve_batch,
+    shown_name,
 )
 from gacli.runner.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.runner.data import load_dataset
 from gacli.runner.faults import install_fake_oom
+from gacli.runner.loggers import ended_with_the_job, open_writers
 from gacli.runner.memory_stats import reset_memory_peaks
 from gacli.runner.models import build_model
 from gacli.runner.objective import check_metric, metric_name
 from gacli.runner.oom import WindowStart, oom_line, out_of_memory_message, position_in, smaller_plan
 from gacli.runner.optimizers import build_optimizer, learning_rate_schedule
-from gacli.runner.run_logging import TensorBoardLogger, host_memory_bytes
+from gacli.runner.run_logging import RunLogger, host_memory_bytes
 from gacli.runner.runstate import (
     PassOrder,
     RunCheckpoint,
@@ -91,6 +93,7 @@ from gacli.runner.runstate import (
 )
 from gacli.runner.skip_budget import SkipBudget
 from gacli.runner.strategy import is_multi_worker, make_strategy
+from gacli.runner.targets import build_callbacks, build_loss, build_metrics
 from gacli.runner.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
 
 # ga-train's one default that differs from the library's (docs/getting-started.md, "Options"):
@@ -164,6 +167,7 @@ class Run:
         self.stages = None  # its StageTable: each epoch's accum_steps, checkpointed
         self.announced = False  # the run directory's line has been printed
         self.tf32 = None  # whether TF32 is on while the job runs (cfg.tf32 applied)
+        self.user_callbacks = []  # the callbacks= list's, built before the model
 
     def execute(self):
         """The job's steps; the last epoch's metrics."""
@@ -176,13 +180,15 @@ class Run:
             self.settle_plan()
             self.build()
             self.make_callbacks()
+            self.callbacks.user = self.user_callbacks
             try:
-                try:
-                    self.restore()
-                    self.fit()
-                finally:
-                    self.close()  # the event files are whole before result.json says "done"
-                return self.save_results()
+                with ended_with_the_job(self.callbacks.logger):  # MLflow's run: FINISHED, ...
+                    try:
+                        self.restore()
+                        self.fit()
+                    finally:
+                        self.close()  # the event files are whole before result.json says "done"
+                    return self.save_results()
             except (OSError, tf.errors.OpError) as error:
                 if not disk_full(error):
                     raise
@@ -252,14 +258,15 @@ class Run:
     def build(self):
         """The compiled model and engine; the start-up panel; ``resolved.yaml``."""
         cfg, plan, data, steps = self.cfg, self.plan, self.data, self.steps
+        self.user_callbacks = build_callbacks(cfg.get("callbacks"))
         try:
             self.job = build_job(cfg, plan, data, steps, self.strategy)
         except tf.errors.ResourceExhaustedError as error:
             raise ConfigError(
-                f"the model does not fit in memory: building {cfg.model.name} for inputs of shape "
-                f"{tuple(data.input_shape)} ran out of memory ({oom_line(error)}) before training "
-                "began. Give it smaller inputs (dataset.image_size) or fewer or narrower layers "
-                "(the model.* settings)."
+                f"the model does not fit in memory: building {shown_name(cfg.model)} for inputs of "
+                f"shape {tuple(data.input_shape)} ran out of memory ({oom_line(error)}) before "
+                "training began. Give it smaller inputs (dataset.image_size) or fewer or narrower "
+                "layers (the model.* settings)."
             ) from None
         facts = self.job.facts(cfg, plan, data, steps, self.strategy)
         self.announce_run_dir()
@@ -282,16 +289,10 @@ class Run:
             self.parallel_jobs,
             clock=clock,
         )
-        tensorboard = None
-        if self.chief:
-            tensorboard = TensorBoardLogger(
-                os.path.join(self.run_dir, "tensorboard"),
-                plan,
-                accumulator,
-                _hparams(cfg, plan, self.job),
-                clock,
-            )
+        logger = self._logger(clock)
         self.state = self._run_state()
+        if logger is not None:
+            self.state.after_save.append(logger.checkpointed)
         checkpoint = RunCheckpoint(
             self.state,
             accumulator,
@@ -320,13 +321,24 @@ class Run:
         self.callbacks = RunCallbacks(
             clock,
             progress,
-            tensorboard,
+            logger,
             checkpoint,
             precise_batchnorm,
             window_start,
             self.job.fault,
             skip_budget,
         )
+
+    def _logger(self, clock):
+        """The chief's :class:`RunLogger`, writing to the loggers ``logger=`` names; None on the
+        other workers."""
+        if not self.chief:
+            return None
+        cfg, plan, job = self.cfg, self.plan, self.job
+        writers = open_writers(
+            cfg, self.run_dir, _hparams(cfg, plan, job), _resolved(cfg, plan, self.steps, job)
+        )
+        return RunLogger(writers, plan, job.accumulator, clock)
 
     def _run_state(self):
         """The run's checkpointed state; under ``accum_schedule``, each epoch's stage in it."""
@@ -546,8 +558,8 @@ class Run:
             f"accum_schedule=gns: epoch {epoch + 1}: noise scale B_simple {measured}: {change}",
             soft_wrap=True,
         )
-        if self.callbacks.tensorboard is not None:
-            self.callbacks.tensorboard.write_scalars(
+        if self.callbacks.logger is not None:
+            self.callbacks.logger.write_scalars(
                 int(self.job.accumulator.optimizer_step.numpy()),
                 {
                     "schedule/noise_scale": scale,
@@ -771,12 +783,13 @@ class RunCallbacks:
 
     clock: TrainingClock
     progress: ProgressCallback
-    tensorboard: TensorBoardLogger | None  # the chief's
+    logger: RunLogger | None  # the chief's: TensorBoard's, metrics.csv, MLflow (logger=)
     checkpoint: RunCheckpoint
     precise_batchnorm: object = None  # batchnorm=precise
     window_start: WindowStart | None = None  # oom=recover
     fault: object = None  # GACLI_FAKE_OOM_ABOVE's (gacli.runner.faults)
     skip_budget: SkipBudget | None = None  # a non-finite policy that skips
+    user: list = dataclasses.field(default_factory=list)  # the callbacks= list's, called last
 
     @functools.cached_property
     def in_order(self):
@@ -785,7 +798,7 @@ class RunCallbacks:
         would not); then the clock before the readers of its time; the precise batch-norm
         statistics after the callbacks that close an epoch's window, so that they see its last
         update; the skip budget, which fails a run before its epoch is saved; the checkpoint;
-        the window start and the fault last."""
+        the window start and the fault; the user's own callbacks last."""
         reporting = [self.clock, *self.reporters()]
         later = (
             self.precise_batchnorm,
@@ -795,11 +808,12 @@ class RunCallbacks:
             self.fault,
         )
         accumulator = self.clock.accumulator
-        return accumulation_callbacks(accumulator, reporting) + [c for c in later if c is not None]
+        ours = accumulation_callbacks(accumulator, reporting) + [c for c in later if c is not None]
+        return ours + list(self.user)
 
     def reporters(self):
         """The callbacks that show the plan: told when it changes."""
-        return [c for c in (self.progress, self.tensorboard) if c is not None]
+        return [c for c in (self.progress, self.logger) if c is not None]
 
     def close(self):
         for reporter in self.reporters():
@@ -839,37 +853,54 @@ def loss_and_metrics(task, num_outputs):
     ]
 
 
+def job_loss_and_metrics(cfg, task, num_outputs):
+    """The job's loss and compiled metrics: its ``loss`` and ``metrics`` settings where given
+    (:mod:`gacli.runner.targets` builds them), else the task's (:func:`loss_and_metrics`)."""
+    loss, metrics = loss_and_metrics(task, num_outputs)
+    own_loss = build_loss(cfg.get("loss"))
+    if cfg.get("metrics") is not None:
+        metrics = build_metrics(cfg.metrics)
+    return (loss if own_loss is None else own_loss), metrics
+
+
 def _model_shapes(model, data):
-    """(input shape, output shape) of ``model`` without the batch axis. A subclassed model
-    knows them only once called: it is called on one sample of the data's shape, which builds
-    it (as its first training step would)."""
+    """(input shape, output shape) of ``model`` without the batch axis; the input shape is None
+    for data whose inputs are a dict. A subclassed model knows them only once called: it is
+    called on the data's first sample, which builds it (as its first training step would)."""
+    named_inputs = isinstance(data.input_shape, dict)
     try:
-        return tuple(model.input_shape[1:]), tuple(model.output_shape[1:])
+        if not named_inputs:
+            return tuple(model.input_shape[1:]), tuple(model.output_shape[1:])
     except (AttributeError, ValueError):
         pass
-    sample = np.zeros((1, *data.input_shape), "float32")
+    sample = next(iter(data.train.take(1).batch(1)))[0]
     try:
         outputs = model(sample, training=False)
-    except (ValueError, TypeError, tf.errors.InvalidArgumentError) as error:
+    except (ValueError, TypeError, KeyError, tf.errors.InvalidArgumentError) as error:
         raise ConfigError(
             f"the model ({type(model).__name__}) cannot be called on the dataset's inputs of "
-            f"shape {tuple(data.input_shape)}: {str(error).splitlines()[0][:300]}; build the "
-            "model for the data (a factory gets the data's shape as input_shape)."
+            f"shape {data.input_shape}: {str(error).splitlines()[0][:300]}; build the model "
+            "for the data (a factory or model._target_ gets the data's shape as input_shape)."
         ) from None
     first = tf.nest.flatten(outputs)[0]
-    return tuple(data.input_shape), tuple(first.shape[1:])
+    return (None if named_inputs else tuple(data.input_shape)), tuple(first.shape[1:])
 
 
-def _check_fits(model, data):
-    """A clear error, before training, when the data's shapes do not fit the model."""
+def _check_fits(model, data, own_loss=False):
+    """A clear error, before training, when the data's shapes do not fit the model; with a loss
+    of the user's own (``own_loss``), which decides what the outputs mean, only the inputs."""
     expected, output = _model_shapes(model, data)
-    given = tuple(data.input_shape)
-    if len(expected) != len(given) or any(e not in (None, g) for e, g in zip(expected, given)):
+    given = data.input_shape
+    if expected is not None and (
+        len(expected) != len(given) or any(e not in (None, g) for e, g in zip(expected, given))
+    ):
         raise ConfigError(
-            f"the model takes inputs of shape {expected} but the dataset gives {given}; choose a "
-            "model built for the data (a factory gets the data's shape), or resize image data "
-            "(dataset.image_size=, dataset.channels= for image_folder and shapes)."
+            f"the model takes inputs of shape {expected} but the dataset gives {tuple(given)}; "
+            "choose a model built for the data (a factory gets the data's shape), or resize image "
+            "data (dataset.image_size=, dataset.channels= for image_folder and shapes)."
         )
+    if own_loss:
+        return
     if data.task == "classification" and output[-1] != data.num_outputs:
         raise ConfigError(
             f"the model has {output[-1]} outputs but the data has {data.num_outputs} classes; "
@@ -910,8 +941,8 @@ def _check_validation_split(cfg, data):
     total = data.train_size + data.validation_size
     smallest = f"a larger split, e.g. dataset.validation_split={float(f'{1.0 / total:.2g}')}, or "
     raise ConfigError(
-        f"the validation split is empty: dataset {cfg.dataset.name} holds {total} samples, and "
-        f"dataset.validation_split={split} of them rounds to 0 for validation, so this run "
+        f"the validation split is empty: dataset {shown_name(cfg.dataset)} holds {total} samples, "
+        f"and dataset.validation_split={split} of them rounds to 0 for validation, so this run "
         "would log no val_loss to report or compare. Use "
         + (smallest if total > 1 else "")
         + "dataset.validation_split=0 to train on every sample without validation (the "
@@ -927,8 +958,8 @@ def _check_batch_fits_data(cfg, plan, train_size):
     )
     if train_size == 0:
         raise ConfigError(
-            f"the training set is empty: dataset {cfg.dataset.name} leaves no sample for training "
-            f"after validation_split={cfg.dataset.validation_split} takes its share for "
+            f"the training set is empty: dataset {shown_name(cfg.dataset)} leaves no sample for "
+            f"training after validation_split={cfg.dataset.validation_split} takes its share for "
             "validation. Lower dataset.validation_split (e.g. dataset.validation_split=0.2), or "
             "give more data."
         )
@@ -936,8 +967,9 @@ def _check_batch_fits_data(cfg, plan, train_size):
         per_replica = " x replicas" if plan.replicas > 1 else ""
         raise ConfigError(
             f"micro_batch_size{per_replica} = {plan.global_micro_batch_size} is larger than the "
-            f"training set, which holds {train_size} samples (dataset {cfg.dataset.name}, after "
-            f"validation_split={cfg.dataset.validation_split}): every micro-batch would hold "
+            f"training set, which holds {train_size} samples (dataset "
+            f"{shown_name(cfg.dataset)}, after validation_split={cfg.dataset.validation_split}): "
+            "every micro-batch would hold "
             f"{train_size} samples, not {plan.global_micro_batch_size}. Use a smaller "
             f"micro_batch_size, e.g. micro_batch_size={max(1, train_size // (2 * plan.replicas))}"
             ", or more data."
@@ -949,7 +981,7 @@ def _check_batch_fits_data(cfg, plan, train_size):
             raise ConfigError(
                 f"accum_schedule reaches accum_steps={plan.accum_steps}, an effective batch of "
                 f"{plan.effective_batch_size}, larger than the training set, which holds "
-                f"{train_size} samples (dataset {cfg.dataset.name}, after validation_split="
+                f"{train_size} samples (dataset {shown_name(cfg.dataset)}, after validation_split="
                 f"{cfg.dataset.validation_split}): every update would see {train_size} samples. "
                 + (
                     f"Start accum_schedule=gns from accum_steps={fitting} or less"
@@ -963,7 +995,7 @@ def _check_batch_fits_data(cfg, plan, train_size):
             )
         raise ConfigError(
             f"effective_batch_size = {plan.effective_batch_size} is larger than the training set, "
-            f"which holds {train_size} samples (dataset {cfg.dataset.name}, after "
+            f"which holds {train_size} samples (dataset {shown_name(cfg.dataset)}, after "
             f"validation_split={cfg.dataset.validation_split}): every update would see "
             f"{train_size} samples, not {plan.effective_batch_size}. Use accum_steps={fitting} "
             f"(effective batch {fitting * plan.global_micro_batch_size}) or fewer, or more data; "
@@ -1036,6 +1068,9 @@ class StepPlan:
     fit_steps: int | None  # steps_per_epoch given to fit(), or None for a whole pass
     total_updates: int
     steps_per_execution: int
+    # At the plan's accum_steps (an accumulation schedule's first stage); partial_window=carry:
+    # on average, a fraction.
+    updates_per_epoch: float = 0
 
 
 def plan_steps(cfg, plan, train_size, schedule=None):
@@ -1063,6 +1098,7 @@ def plan_steps(cfg, plan, train_size, schedule=None):
         fit_steps,
         total_updates,
         _steps_per_execution(cfg, plan, wrapper),
+        updates_per_epoch,
     )
 
 
@@ -1180,7 +1216,7 @@ def _check_auto_fits_data(cfg, plan, train_size):
     if effective is not None and effective > train_size and not spans_passes:
         raise ConfigError(
             f"effective_batch_size = {effective} is larger than the training set, which holds "
-            f"{train_size} samples (dataset {cfg.dataset.name}, after validation_split="
+            f"{train_size} samples (dataset {shown_name(cfg.dataset)}, after validation_split="
             f"{cfg.dataset.validation_split}), so no micro-batch that micro_batch_size=auto "
             f"could find would do: every update would see {train_size} samples. Use "
             f"effective_batch_size={train_size // plan.replicas * plan.replicas} or less, or more "
@@ -1238,6 +1274,7 @@ def accumulation_config(cfg, plan):
     return AccumulationConfig(
         accum_steps=plan.accum_steps,
         partial_window=cfg.partial_window,
+        loss_normalization=cfg.loss_normalization,
         use_agc=cfg.optimizer.use_agc,
         clip_factor=cfg.optimizer.clip_factor,
         nonfinite=_nonfinite_policy(cfg.precision),
@@ -1265,10 +1302,10 @@ class Job:
         layers = self.batchnorm_layers
         return {
             "wrapper": self.reason,
-            "model": f"{cfg.model.factory or cfg.model.name} "
+            "model": f"{cfg.model.factory or shown_name(cfg.model)} "
             f"({self.model.count_params():,} parameters)",
-            "data": f"{cfg.dataset.name}: {data.train_size} train / {data.validation_size} val "
-            f"samples, inputs {tuple(data.input_shape)}",
+            "data": f"{shown_name(cfg.dataset)}: {data.train_size} train / "
+            f"{data.validation_size} val samples, inputs {_shapes(data.input_shape)}",
             "updates": f"{steps.total_updates} in {cfg.epochs} epochs, "
             f"{steps.epoch_length} micro-batches per epoch",
             "compiled calls": f"{steps.steps_per_execution} micro-batches each "
@@ -1288,10 +1325,19 @@ class Job:
         }
 
 
+def _shapes(input_shape):
+    """An input shape as the panel shows it: (8, 8, 1), or {pixels: (8, 8, 1), ...}."""
+    if isinstance(input_shape, dict):
+        return (
+            "{" + ", ".join(f"{name}: {tuple(shape)}" for name, shape in input_shape.items()) + "}"
+        )
+    return str(tuple(input_shape))
+
+
 def build_job(cfg, plan, data, steps, strategy):
     """Model, batch-norm policy, inner optimizer and accumulation wrapper, compiled."""
     wrapper, reason = choose_wrapper(cfg)
-    loss, metrics = loss_and_metrics(data.task, data.num_outputs)
+    loss, metrics = job_loss_and_metrics(cfg, data.task, data.num_outputs)
     check_metric(
         metric_name(cfg.objective, cfg.dataset.validation_split),
         [m if isinstance(m, str) else m.name for m in metrics],
@@ -1301,7 +1347,7 @@ def build_job(cfg, plan, data, steps, strategy):
     with strategy.scope():
         keras.utils.set_random_seed(cfg.seed)
         model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
-        _check_fits(model, data)
+        _check_fits(model, data, own_loss=OmegaConf.select(cfg, "loss._target_") is not None)
         batchnorm_layers = len(plain_batchnorm_layers(model))
         model = apply_batchnorm_policy(model, cfg.batchnorm.value, plan.accum_steps, warn=False)
         rate = learning_rate_schedule(cfg.optimizer, plan.effective_batch_size, steps.total_updates)
@@ -1358,6 +1404,13 @@ def _write_resolved(cfg, plan, steps, job, run_dir):
     """``resolved.yaml``: the config with the batch arithmetic, written once per run."""
     if os.path.exists(os.path.join(run_dir, "resolved.yaml")):
         return
+    resolved = _resolved(cfg, plan, steps, job)
+    OmegaConf.save(OmegaConf.create(resolved), os.path.join(run_dir, "resolved.yaml"))
+
+
+def _resolved(cfg, plan, steps, job):
+    """The config with the batch arithmetic under ``resolved``: ``resolved.yaml``'s content, and
+    an MLflow run's parameters."""
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     resolved["resolved"] = {
         "micro_batch_size": plan.micro_batch_size,
@@ -1365,9 +1418,10 @@ def _write_resolved(cfg, plan, steps, job, run_dir):
         "replicas": plan.replicas,
         "effective_batch_size": plan.effective_batch_size,
         "optimizer_updates": steps.total_updates,
+        "updates_per_epoch": steps.updates_per_epoch,
         "wrapper": job.wrapper.value,
     }
-    OmegaConf.save(OmegaConf.create(resolved), os.path.join(run_dir, "resolved.yaml"))
+    return resolved
 
 
 def _hparams(cfg, plan, job):
@@ -1380,9 +1434,9 @@ def _hparams(cfg, plan, job):
         "tf32": tf32_enabled(),
         "strategy": cfg.strategy.name.value,
         "wrapper": job.wrapper.value,
-        "model": cfg.model.factory or cfg.model.name,
+        "model": cfg.model.factory or shown_name(cfg.model),
         "lr": float(cfg.optimizer.learning_rate),
-        "optimizer": cfg.optimizer.name.value,
+        "optimizer": shown_name(cfg.optimizer),
     }
 
 

@@ -14,7 +14,8 @@ import typing
 import yaml
 
 from gacli.errors import ConfigError
-from gacli.runner.config import GROUPS, TrainConfig
+from gacli.runner import overrides as command_line
+from gacli.runner.config import GROUPS, OPEN_SECTIONS, OWN, TrainConfig
 
 _DEFAULTS_LINES = "defaults:\n  - /train\n  - _self_"
 
@@ -30,18 +31,24 @@ def _fields(schema, prefix=""):
             keys[key] = False
             keys.update(_fields(field.default_factory, key + "."))
         else:
-            keys[key] = typing.get_origin(field.type) in (dict, typing.Dict) or field.type is dict
+            kind = field.type
+            if typing.get_origin(kind) is typing.Union:  # Optional[Dict[...]]: the dict inside
+                kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+            keys[key] = typing.get_origin(kind) in (dict, typing.Dict) or kind is dict
     return keys
 
 
 SCHEMA_KEYS = _fields(TrainConfig)
 
 
-def unknown_key(key):
-    """None when ``key`` (dotted) is read by the config, else a ConfigError's message."""
+def unknown_key(key, own=()):
+    """None when ``key`` (dotted) is read by the config, else a ConfigError's message. ``own``:
+    the groups whose section is the user's own, every key of which is its target's argument."""
     if key in SCHEMA_KEYS or key == "hydra" or key.startswith(("hydra.", "hydra/")):
         return None  # Hydra's own settings and plugin choices (hydra/launcher=joblib): Hydra's
     parts = key.split(".")
+    if parts[0] in {*own, "loss"} and parts[0] in OPEN_SECTIONS and len(parts) > 1:
+        return None  # the target's arguments: its call checks them (gacli.runner.targets)
     for end in range(len(parts) - 1, 0, -1):
         parent = ".".join(parts[:end])
         if parent in SCHEMA_KEYS:
@@ -57,8 +64,37 @@ def unknown_key(key):
     )
 
 
-def check_overrides(assignments):
-    """ConfigError for a ``key=value`` (``+key=``, ``++key=``, ``~key``) that no field reads."""
+def own_sections(assignments, content=None):
+    """(the groups whose section is the user's own, the ``<group>=own`` overrides to add).
+
+    ``<group>._target_`` on the command line, or in the section of the YAML file ``content``
+    (recipe or the user's), makes the group's section the user's own: ``<group>=own`` is chosen
+    unless the command line (or, for the file's target, the file's defaults) chooses another,
+    which :func:`gacli.runner.config.validate` then refuses, naming both."""
+    content = content if isinstance(content, dict) else {}
+    chosen = {command_line.key(a): command_line.value(a) for a in assignments}
+    in_file = {}
+    for entry in content.get("defaults") or []:
+        for name, choice in entry.items() if isinstance(entry, dict) else ():
+            in_file[str(name).split("/")[-1]] = choice
+    given = {group for group in GROUPS if f"{group}._target_" in chosen}
+    written = {
+        group
+        for group in GROUPS
+        if isinstance(content.get(group), dict) and "_target_" in content[group]
+    }
+    added = [
+        f"{group}={OWN}"
+        for group in sorted(given | written)
+        if group not in chosen and (group in given or group not in in_file)
+    ]
+    own = given | written | {g for g in GROUPS if OWN in (chosen.get(g), in_file.get(g))}
+    return own, added
+
+
+def check_overrides(assignments, own=()):
+    """ConfigError for a ``key=value`` (``+key=``, ``++key=``, ``~key``) that no field reads;
+    ``own``: the groups whose section is the user's own (:func:`own_sections`)."""
     for assignment in assignments:
         key = assignment.split("=", 1)[0].lstrip("+~")
         if key in GROUPS or key in ("config", "probe"):
@@ -66,7 +102,7 @@ def check_overrides(assignments):
         if key.startswith("probe."):
             _check_probe_key(key, assignments)
             continue
-        problem = unknown_key(key)
+        problem = unknown_key(key, own)
         if problem:
             raise ConfigError(f"{assignment}: {problem}")
 
@@ -141,7 +177,8 @@ def _read_user_yaml(path, shown):
 
 def check_user_yaml(path, shown, group_options):
     """ConfigError, naming ``shown`` (the path as given) and the line, for a user's YAML that is
-    not valid YAML, is empty, does not start from gacli's defaults, or sets keys nothing reads.
+    not valid YAML, is empty, does not start from gacli's defaults, or sets keys nothing reads;
+    else its content.
 
     ``group_options``: {group: names of its shipped files}, e.g. {"dataset": ["digits", ...]}.
     """
@@ -184,7 +221,9 @@ def check_user_yaml(path, shown, group_options):
                 f"add '- override /{group}: {name}' to the defaults list (before _self_) and drop "
                 f"the name: line; then set its keys under {group}:."
             )
+    own, _ = own_sections([], content)
     for key in _walk({k: v for k, v in content.items() if k not in ("defaults", "hydra")}):
-        problem = unknown_key(key)
+        problem = unknown_key(key, own)
         if problem:
             raise ConfigError(f"config={shown}: {problem}")
+    return content

@@ -260,9 +260,9 @@ def build_library_config(spec):
     import tensorflow as tf
 
     import gacli
+    from gacli.runner.build import loss_and_metrics
     from gacli.runner.config import ModelConfig
     from gacli.runner.models import build_model
-    from gacli.runner.train import loss_and_metrics
 
     name, k = spec["config"], spec["accum_steps"]
     name = "A" if name == "A_again" else name
@@ -393,7 +393,7 @@ def run_ga_train(spec, timer_window, job_dir):
         raise RuntimeError(f"ga-train exited with status {status}")
     if "timer" not in found:
         raise RuntimeError(
-            "train() created no gacli.runner.train.ProgressCallback, which the timer "
+            "train() created no gacli.runner.run.ProgressCallback, which the timer "
             "rides in; update run_ga_train in bench.py"
         )
     return dict(
@@ -439,16 +439,20 @@ def ga_train_overrides(spec, data_path, updates, gns):
 
 def ga_train_modules():
     """The modules of ``ga-train``'s entry point and of ``train()`` (whose ProgressCallback the
-    timer rides in): ``gacli.runner.cli`` and ``gacli.runner.train``, or in an engine from before
-    the runner had its own package (``ga_train_at`` of an older commit), ``gacli.cli`` and
-    ``gacli.train``. Told apart by the package's folder: an editable install's import hook would
-    find today's ``gacli.runner`` for an older ``gacli`` too."""
+    timer rides in): ``gacli.runner.cli`` and ``gacli.runner.run`` (``.train`` before the runner
+    was split), or in an engine from before the runner had its own package (``ga_train_at`` of an
+    older commit), ``gacli.cli`` and ``gacli.train``. Told apart by the package's folder: an
+    editable install's import hook would find today's ``gacli.runner`` for an older ``gacli``
+    too."""
     import importlib
 
     import gacli
 
-    package = "gacli.runner" if (Path(gacli.__file__).parent / "runner").is_dir() else "gacli"
-    return importlib.import_module(f"{package}.cli"), importlib.import_module(f"{package}.train")
+    folder = Path(gacli.__file__).parent
+    package = "gacli.runner" if (folder / "runner").is_dir() else "gacli"
+    # train() moved from gacli/runner/train.py to gacli/runner/run.py when the runner was split.
+    job = "run" if (folder / "runner" / "run.py").is_file() else "train"
+    return importlib.import_module(f"{package}.cli"), importlib.import_module(f"{package}.{job}")
 
 
 def run_worker(spec, build=None):

@@ -31,7 +31,7 @@ import bench  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from gacli.runner.config import ModelConfig  # noqa: E402
+from gacli.runner.config import ModelConfig
 from gacli.runner.models import build_model  # noqa: E402
 
 

@@ -456,7 +456,9 @@ def check_resumable(run_dir, given):
             "resume= (a new directory), or read its result with ga-report "
             f"{os.path.dirname(run_dir) or '.'}."
         )
-    holder = live_holder(run_dir)
+    # Only the process that writes the run is refused: the other workers of a multi-worker job
+    # (a requeued SLURM job's task 1, say) join the run that their chief, holding it, resumes.
+    holder = live_holder(run_dir) if is_chief() else None
     if holder is not None:
         raise ConfigError(
             f"{given}: {run_dir} is running now ({holder}); it is not interrupted, so there is "

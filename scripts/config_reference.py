@@ -1,7 +1,7 @@
 """Write docs/reference/config.md, ga-train's config reference, from the one declaration of its
 settings: the dataclasses of gacli/runner/config.py (each key, its type, and the comments beside
 and above it), the enums whose members are a key's choices (with their comments), the ranges and
-the keys that only some choices read (config.py's ``_RANGES`` and ``_READ_ONLY_BY``), the keys a
+the keys that only some choices read (validate.py's ``_RANGES`` and ``_READ_ONLY_BY``), the keys a
 resumed run may change (``FREE_ON_RESUME``), the config groups and recipes that ship with the
 package (each YAML file's opening comment), and the default job's values as Hydra composes them.
 
@@ -181,15 +181,17 @@ def job_value(cfg, key):
 def notes(key, config):
     """What the declaration says besides the comment: the range, the choices that read the key,
     whether a resumed run may change it, and the guide that explains it."""
+    from gacli.runner import validate
+
     said = []
-    low, high, closed, _ = config._RANGES.get(key, (None, None, True, None))
+    low, high, closed, _ = validate._RANGES.get(key, (None, None, True, None))
     if low is not None:
         bound = f"{'>=' if closed else '>'} {low}"
         if high is not None:
             bound += f" and {'<' if key == 'model.dropout' else '<='} {high}"
         said.append(f"Must be {bound}.")
-    if key in config._READ_ONLY_BY:
-        decider, readers = config._READ_ONLY_BY[key]
+    if key in validate._READ_ONLY_BY:
+        decider, readers = validate._READ_ONLY_BY[key]
         typed = decider.removesuffix(".name")
         choices = " or ".join(f"`{typed}={shown(r)}`" for r in readers)
         said.append(f"Read only with {choices}.")

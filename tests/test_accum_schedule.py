@@ -43,7 +43,7 @@ MICRO_BATCHES = 45
 
 
 def _run(tmp_path, *overrides):
-    from gacli.runner.train import train
+    from gacli.runner.run import train
 
     run_dir = str(tmp_path / "run")
     train(compose_config(*overrides), run_dir=run_dir)
@@ -472,7 +472,7 @@ def test_gns_growth_follows_the_noise_scale_of_every_example(tmp_path, gns_data,
         os.remove(path)
     with open(os.path.join(checkpoints, "checkpoint"), "w") as index:
         index.write(f'model_checkpoint_path: "ckpt-{numbers[0]}"\n')
-    from gacli.runner.train import train
+    from gacli.runner.run import train
 
     train(compose_config(*_gns_job(gns_data), f"resume={resumed}"), run_dir=resumed)
     printed = capsys.readouterr().out.splitlines()

@@ -12,8 +12,9 @@ import signal
 import pytest
 
 from gacli.runner.autobatch import Probe, choose, ladder, search
-from gacli.runner.config import AutoPlan, ConfigError, resolve_batch
-from gacli.runner.train import train
+from gacli.runner.batch_plan import AutoPlan, resolve_batch
+from gacli.runner.config import ConfigError
+from gacli.runner.run import train
 from helpers import (
     compose_config,
     final_weights,
@@ -97,17 +98,19 @@ def test_auto_ends_with_the_weights_of_the_chosen_size_given_by_hand(tmp_path, m
 
 
 def test_a_resumed_run_keeps_the_probed_size_without_probing(tmp_path, monkeypatch):
-    from gacli.runner import train as train_module
+    from gacli.runner import autobatch as autobatch_module
 
     run_dir = tmp_path / "run"
     os.makedirs(run_dir)
     saved = {"micro_batch_size": 8, "accum_steps": 16, "replicas": 1, "why": "test"}
     (run_dir / "batch_plan.json").write_text(json.dumps(saved))
     monkeypatch.setattr(
-        train_module, "find_micro_batch_size", lambda *a, **k: pytest.fail("probed again")
+        autobatch_module, "find_micro_batch_size", lambda *a, **k: pytest.fail("probed again")
     )
     cfg = compose_config(*JOB, "micro_batch_size=auto", "effective_batch_size=128", "resume=true")
-    plan, lines = train_module.settle_plan(cfg, AutoPlan(None, 128, 1), None, None, str(run_dir))
+    plan, lines = autobatch_module.settle_plan(
+        cfg, AutoPlan(None, 128, 1), None, None, str(run_dir)
+    )
     assert (plan.micro_batch_size, plan.accum_steps) == (8, 16)
     assert "as before" in lines["micro-batch"]
 
@@ -184,7 +187,7 @@ def test_with_nothing_out_of_memory_largest_prefers_the_fastest_within_a_few_per
 
 
 def test_the_sizes_are_bounded_by_the_data_and_the_noise_scale_before_probing():
-    from gacli.runner.train import auto_candidates
+    from gacli.runner.autobatch import auto_candidates
 
     cfg = compose_config("micro_batch_size=auto", "effective_batch_size=128")
     plan = AutoPlan(None, 128, 1)

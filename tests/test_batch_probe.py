@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from gacli.runner.batch_probe import critical_batch_size, probe_batch
-from gacli.runner.train import train
+from gacli.runner.run import train
 from helpers import (
     compose_config,
     final_weights,

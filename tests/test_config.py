@@ -2,7 +2,8 @@
 
 import pytest
 
-from gacli.runner.config import ConfigError, resolve_batch
+from gacli.runner.batch_plan import resolve_batch
+from gacli.runner.config import ConfigError
 
 
 @pytest.mark.parametrize(

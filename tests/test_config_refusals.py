@@ -12,7 +12,8 @@ import pytest
 from rich.console import Console
 
 from gacli.errors import ConfigError
-from gacli.runner.config import BatchPlan, resolve_batch, validate
+from gacli.runner.batch_plan import BatchPlan, resolve_batch
+from gacli.runner.validate import validate
 from helpers import compose_config, ga_train
 
 # -- the batch arithmetic: only suggestions that give the size they state --------------------
@@ -49,28 +50,28 @@ def test_no_micro_batch_gives_the_effective_batch_and_every_suggestion_works(
 
 def test_a_schedule_larger_than_the_data_suggests_a_schedule_that_works():
     from gacli.runner.accum_schedule import check_schedule
-    from gacli.runner.train import _check_batch_fits_data
+    from gacli.runner.steps import check_batch_fits_data
 
     cfg = compose_config("accum_schedule={0:100000000000}", "epochs=3")
     train_size = 1438  # the digits' training split
     with pytest.raises(ConfigError) as refused:
-        _check_batch_fits_data(cfg, BatchPlan(32, 100000000000, 1), train_size)
+        check_batch_fits_data(cfg, BatchPlan(32, 100000000000, 1), train_size)
     message = str(refused.value)
     assert "partial_window=carry" not in message, message  # schedules refuse it
     (suggested,) = re.findall(r"'(accum_schedule=\{[^']*\})'", message)
     fixed = compose_config(suggested, "epochs=3")
     check_schedule(fixed)
     largest = max(dict(fixed.accum_schedule).values())
-    _check_batch_fits_data(fixed, BatchPlan(32, largest, 1), train_size)
+    check_batch_fits_data(fixed, BatchPlan(32, largest, 1), train_size)
     assert largest == 44  # the most micro-batches of 32 within 1438 samples
 
     gns = compose_config("accum_schedule=gns", "monitor.gns=true", "accum_steps=100")
     with pytest.raises(ConfigError, match="Start accum_schedule=gns from accum_steps=44 or less"):
-        _check_batch_fits_data(gns, BatchPlan(32, 100, 1), train_size)
+        check_batch_fits_data(gns, BatchPlan(32, 100, 1), train_size)
 
 
 def test_an_empty_validation_split_is_refused_before_training(tmp_path):
-    from gacli.runner.train import train
+    from gacli.runner.run import train
 
     rng = np.random.default_rng(0)
     path = tmp_path / "two.npz"
@@ -162,8 +163,8 @@ def test_an_optuna_sweep_with_a_misspelt_objective_ends_before_its_first_trial(t
 
 
 def test_every_objective_a_sweep_accepts_is_one_a_run_logs():
+    from gacli.runner.build import loss_and_metrics
     from gacli.runner.objective import LOGGED
-    from gacli.runner.train import loss_and_metrics
 
     logged = set()
     tasks = (("classification", 10), ("segmentation", 1), ("segmentation", 3), ("regression", 2))

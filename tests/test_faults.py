@@ -294,7 +294,7 @@ def test_a_second_run_on_a_held_directory_is_refused(tmp_path):
         assert first.poll() is None and time.time() < deadline
         time.sleep(0.05)
     hydra_record = tmp_path / "shared" / ".hydra" / "overrides.yaml"
-    while not hydra_record.exists():
+    while not (hydra_record.exists() and hydra_record.read_text()):  # created, then written
         assert first.poll() is None and time.time() < deadline
         time.sleep(0.05)
     recorded = hydra_record.read_text()

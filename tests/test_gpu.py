@@ -129,7 +129,7 @@ def test_both_wrappers_exact_in_fit_under_xla_on_the_gpu(wrapper):
 @needs_gpu
 @pytest.mark.gpu
 def test_ga_train_on_the_gpu_logs_device_memory_and_loss_scale(tmp_path):
-    from gacli.runner.train import train
+    from gacli.runner.run import train
 
     run_dir = str(tmp_path / "run")
     metrics = train(

@@ -21,8 +21,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util.tensor_util import make_ndarray
 
 from gacli.errors import ConfigError
-from gacli.runner.config import validate
 from gacli.runner.metrics_csv import MetricsCsv
+from gacli.runner.validate import validate
 from helpers import compose_config, ga_report, ga_train, start_ga_train
 
 needs_mlflow = pytest.mark.skipif(

@@ -12,11 +12,11 @@ import keras
 import numpy as np
 import pytest
 
-from gacli.runner.config import BatchPlan
+from gacli.runner.batch_plan import BatchPlan
 from gacli.runner.data import load_dataset
 from gacli.runner.oom import WindowStart, position_in, smaller_micro_batch, smaller_plan
+from gacli.runner.run import train
 from gacli.runner.throughput import ChangedLayout, MicroBatchLayout
-from gacli.runner.train import train
 from helpers import (
     compose_config,
     event_tags,

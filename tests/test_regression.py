@@ -82,9 +82,9 @@ def test_ga_report_shows_the_regression_metrics_lower_is_better(run):
 
 
 def test_targets_of_width_k_give_k_linear_outputs(tmp_path):
+    from gacli.runner.build import check_fits, loss_and_metrics
     from gacli.runner.data import load_dataset
     from gacli.runner.models import build_model
-    from gacli.runner.train import _check_fits, loss_and_metrics
 
     _write_linear(tmp_path, samples=40, widths=(4, 3))
     cfg = compose_config(*REGRESSION[:3], f"dataset.path={tmp_path / 'train.npz'}")
@@ -93,7 +93,7 @@ def test_targets_of_width_k_give_k_linear_outputs(tmp_path):
     model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
     assert model.output_shape == (None, 3)
     assert model.layers[-1].get_config()["activation"] == "linear"
-    _check_fits(model, data)
+    check_fits(model, data)
     loss, metrics = loss_and_metrics(data.task, data.num_outputs)
     assert type(loss).__name__ == "MeanSquaredError"
     assert [metric.name for metric in metrics] == ["mae", "rmse"]

@@ -25,6 +25,7 @@ import pytest
 from test_report_faults import _event_file, _report, _rewrite, ga_report, make_run, make_sweep
 
 from gacli import rundir
+from gacli.errors import ConfigError
 
 DEEP = "[" * 100_000 + "]" * 100_000
 
@@ -399,3 +400,16 @@ def test_resume_refuses_finished_probes_and_checks_and_live_runs(tmp_path, live)
     live(make_interrupted(str(outputs / "2031-01-01_00-00-00-000000")))
     code, output = ga_train("accum_steps=2", "resume=true", cwd=tmp_path)
     assert code == 2 and "2031-01-01_00-00-00-000000 is running now" in output, output
+
+
+def test_a_worker_joins_the_live_run_its_chief_resumes(tmp_path, live, monkeypatch):
+    """A requeued multi-worker SLURM job starts its tasks again, each with resume=<the run>: the
+    chief locks the run first, and the other tasks must join it, not be refused as a second run."""
+    running = make_interrupted(str(tmp_path / "running"))
+    live(running)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    rundir.check_resumable(running, f"resume={running}")  # worker 1: joins
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    with pytest.raises(ConfigError, match="is running now"):
+        rundir.check_resumable(running, f"resume={running}")

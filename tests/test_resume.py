@@ -43,7 +43,7 @@ def start_and_interrupt(cwd, number, arguments=JOB):
 def uninterrupted(tmp_path_factory):
     """JOB's run directory, trained without a stop: ga-train's training, in this process (the
     reference the interrupted runs, started as users start them, must end at)."""
-    from gacli.runner.train import train
+    from gacli.runner.run import train
 
     run_dir = str(tmp_path_factory.mktemp("uninterrupted") / "run")
     train(compose_config(*JOB), run_dir)
@@ -138,7 +138,7 @@ def test_resume_errors_say_what_to_type(tmp_path):
 
 
 def test_a_checkpoint_after_an_epochs_last_micro_batch_resumes_at_the_next_epoch():
-    from gacli.runner.train import _segments
+    from gacli.runner.run import _segments
 
     # (epoch, micro-batches done) -> fit() calls: (first epoch, end, steps per epoch, skipped)
     assert _segments((0, 0), 10, 3) == [(0, 3, 10, 0)]

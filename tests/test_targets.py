@@ -14,8 +14,8 @@ from user_project import nets
 
 from gacli.errors import ConfigError
 from gacli.runner import objective, targets
-from gacli.runner.config import validate
 from gacli.runner.user_config import own_sections
+from gacli.runner.validate import validate
 from helpers import compose_config, ga_train
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

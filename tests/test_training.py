@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from gacli.runner.config import ConfigError
-from gacli.runner.train import train
+from gacli.runner.run import train
 from helpers import compose_config, event_tags, scalars
 
 
@@ -253,11 +253,11 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise(
 
     from rich.console import Console
 
-    import gacli.runner.train
+    import gacli.runner.run
 
     buffer = io.StringIO()
     monkeypatch.setattr(
-        gacli.runner.train,
+        gacli.runner.run,
         "make_console",
         lambda: Console(file=buffer, force_terminal=terminal, width=160),
     )
@@ -283,9 +283,10 @@ def test_train_puts_back_the_callers_precision_policy(tmp_path):
 
 def test_the_job_steps_run_alone(tmp_path):
     """train()'s steps take what they need and can be run one by one."""
-    from gacli.runner.config import resolve_batch
+    from gacli.runner.batch_plan import resolve_batch
+    from gacli.runner.build import build_job
     from gacli.runner.data import load_dataset
-    from gacli.runner.train import build_job, plan_steps
+    from gacli.runner.steps import plan_steps
 
     cfg = compose_config("epochs=2", "micro_batch_size=64", "accum_steps=4")
     plan = resolve_batch(64, 4, None, 1)

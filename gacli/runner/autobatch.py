@@ -22,6 +22,7 @@ given the chosen size by hand (tests/test_autobatch.py).
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import time
 
@@ -29,10 +30,26 @@ import numpy as np
 import tensorflow as tf
 from omegaconf import OmegaConf
 
-from gacli.errors import Interrupted
-from gacli.runner.config import shown_name
+from gacli.engine.accumulate_model import (
+    set_accum_steps,
+)
+from gacli.errors import ConfigError, Interrupted, TrainingFailed
+from gacli.rundir import (
+    BATCH_PLAN_FILE,
+    is_chief,
+    read_json,
+    write_json,
+)
+from gacli.runner.batch_plan import AutoPlan, BatchPlan
+from gacli.runner.build import build_job
+from gacli.runner.config import (
+    PartialWindow,
+    shown_name,
+)
+from gacli.runner.console import make_console
 from gacli.runner.memory_stats import _memory_devices
 from gacli.runner.oom import oom_line
+from gacli.runner.steps import execution_steps, plan_steps
 
 
 @dataclasses.dataclass
@@ -186,6 +203,16 @@ def choose(probes, candidates, pick, margin):
     return max(s for s in timed if probes[s].samples_per_second >= (1 - EQUALLY_FAST) * fastest)
 
 
+class _SignalWhileProbing(BaseException):
+    """A signal's arrival, raised by the handler wherever the probe is. A BaseException, so that
+    no library between here and :func:`stop_on_signals` (OmegaConf rebuilds the exceptions it
+    sees inside an attribute lookup) catches or changes it on the way."""
+
+    def __init__(self, number):
+        super().__init__(number)
+        self.number = number
+
+
 @contextlib.contextmanager
 def stop_on_signals():
     """SIGTERM and SIGINT while probing end the run at once: nothing is trained yet, so there is
@@ -193,14 +220,7 @@ def stop_on_signals():
     ``before_training`` so that the run directory is removed."""
 
     def stop(number, frame):
-        error = Interrupted(
-            f"stopped by {signal.Signals(number).name} while micro_batch_size=auto was probing "
-            "micro-batch sizes: nothing was trained, and the run directory is removed. Run the "
-            "same command again to start over.",
-            128 + number,
-        )
-        error.before_training = True
-        raise error
+        raise _SignalWhileProbing(number)
 
     previous = {}
     for number in (signal.SIGTERM, signal.SIGINT):
@@ -210,6 +230,15 @@ def stop_on_signals():
             pass
     try:
         yield
+    except _SignalWhileProbing as arrived:
+        error = Interrupted(
+            f"stopped by {signal.Signals(arrived.number).name} while micro_batch_size=auto was "
+            "probing micro-batch sizes: nothing was trained, and the run directory is removed. "
+            "Run the same command again to start over.",
+            128 + arrived.number,
+        )
+        error.before_training = True
+        raise error from None
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
@@ -291,3 +320,169 @@ def probe_key(cfg, data, strategy):
         "devices": devices,
         "replicas": strategy.num_replicas_in_sync,
     }
+
+
+class BatchPlanFile:
+    """``batch_plan.json`` in the run directory: the micro-batch a run chose
+    (``micro_batch_size=auto``'s probe, or ``oom=recover`` after an out-of-memory error), so that
+    a resumed run keeps it and the checkpoints count micro-batches of that size. Only the chief
+    writes it.
+
+    Args:
+        run_dir: the run directory.
+    """
+
+    def __init__(self, run_dir):
+        self.path = os.path.join(run_dir, BATCH_PLAN_FILE)
+
+    def read(self):
+        """The record, or None when the run chose no micro-batch of its own."""
+        return read_json(self.path)
+
+    def write(self, record):
+        if is_chief():
+            write_json(self.path, record)
+
+    @staticmethod
+    def record(plan, why, **more):
+        """What the file holds for ``plan``, chosen because of ``why``."""
+        return {
+            "micro_batch_size": plan.micro_batch_size,
+            "accum_steps": plan.accum_steps,
+            "replicas": plan.replicas,
+            "effective_batch_size": plan.effective_batch_size,
+            "why": why,
+            **more,
+        }
+
+
+def settle_plan(cfg, plan, data, strategy, run_dir, announce=None):
+    """(the run's BatchPlan, start-up panel lines on how it was chosen).
+
+    A run that chose its micro-batch before (``micro_batch_size=auto``'s probe, or ``oom=recover``
+    after an out-of-memory error) keeps that choice when it resumes: ``batch_plan.json`` in the run
+    directory holds it, and the checkpoints count micro-batches of that size."""
+    plan_file = BatchPlanFile(run_dir)
+    saved = plan_file.read()
+    if saved is not None and cfg.resume:
+        kept = BatchPlan(saved["micro_batch_size"], saved["accum_steps"], saved["replicas"])
+        if kept.replicas == plan.replicas:
+            return kept, {"micro-batch": f"{kept.micro_batch_size}, as before ({saved['why']})"}
+    if not isinstance(plan, AutoPlan):
+        return plan, {}
+    candidates, bounds = auto_candidates(cfg, plan, data.train_size)
+    first = plan.with_micro_batch_size(candidates[-1])
+    # Without XLA: an out-of-memory error inside an XLA program leaves the variables unusable
+    # (see _stop_for_resume). XLA's fused step usually needs less memory than this one.
+    probed = OmegaConf.merge(cfg, {"jit_compile": False})
+    job = build_job(probed, first, data, plan_steps(cfg, first, data.train_size), strategy)
+    micro, probes = find_micro_batch_size(
+        job.model,
+        strategy,
+        data.train,
+        candidates,
+        cfg.auto_batch,
+        ProbeHooks(cfg, plan, job, announce),
+    )
+    if micro is None:
+        raise TrainingFailed(
+            f"micro_batch_size=auto: not even a micro-batch of {candidates[0]} fits the device "
+            f"({probes[candidates[0]].error}). Use a smaller model or input, or "
+            "precision=mixed_float16 (half the activation memory)."
+        )
+    chosen = plan.with_micro_batch_size(micro)
+    why = f"micro_batch_size=auto, pick={cfg.auto_batch.pick.value}"
+    record = {
+        **plan_file.record(chosen, why),
+        "key": probe_key(cfg, data, strategy),
+        "probes": [dataclasses.asdict(probe) for probe in probes.values()],
+    }
+    plan_file.write(record)
+    return chosen, {"micro-batch": "\n".join(probe_lines(micro, probes, cfg.auto_batch, bounds))}
+
+
+def auto_candidates(cfg, plan, train_size):
+    """(the sizes ``micro_batch_size=auto`` may probe, smallest first; lines on the bounds put on
+    them): never more than the run can use, checked before anything is probed."""
+    _check_auto_fits_data(cfg, plan, train_size)
+    largest = train_size // plan.replicas
+    bounds = []
+    if plan.effective_batch_size is None:  # accum_steps kept: the effective batch follows
+        largest //= plan.accum_steps  # and stays within the training set
+        bounds.append(
+            f"sizes up to {largest}: {train_size} training samples / accum_steps "
+            f"{plan.accum_steps}" + (f" / {plan.replicas} replicas" if plan.replicas > 1 else "")
+        )
+    if cfg.auto_batch.max_micro_batch_size and cfg.auto_batch.max_micro_batch_size < largest:
+        largest = cfg.auto_batch.max_micro_batch_size
+        bounds.append(f"sizes up to {largest}: auto_batch.max_micro_batch_size")
+    candidates = plan.candidates(largest)
+    keeps_two = [size for size in candidates if plan.with_micro_batch_size(size).accum_steps >= 2]
+    if cfg.monitor.gns and plan.replicas == 1 and plan.effective_batch_size and keeps_two:
+        # The noise scale needs two micro-batches in a window (README, "How big should my batch
+        # be?"): with one replica, accum_steps >= 2.
+        candidates = keeps_two
+        bounds.append(
+            f"sizes up to {candidates[-1]}: monitor.gns needs two or more micro-batches per window"
+        )
+    return candidates, bounds
+
+
+def _check_auto_fits_data(cfg, plan, train_size):
+    """ConfigError, before probing, when no micro-batch could give the run its batch within the
+    training set."""
+    spans_passes = cfg.steps_per_epoch is not None or cfg.partial_window == PartialWindow.carry
+    effective = plan.effective_batch_size
+    if effective is not None and effective > train_size and not spans_passes:
+        raise ConfigError(
+            f"effective_batch_size = {effective} is larger than the training set, which holds "
+            f"{train_size} samples (dataset {shown_name(cfg.dataset)}, after validation_split="
+            f"{cfg.dataset.validation_split}), so no micro-batch that micro_batch_size=auto "
+            f"could find would do: every update would see {train_size} samples. Use "
+            f"effective_batch_size={train_size // plan.replicas * plan.replicas} or less, or more "
+            "data; or let windows run across passes with partial_window=carry."
+        )
+    if effective is None and plan.accum_steps * plan.replicas > train_size:
+        raise ConfigError(
+            f"accum_steps = {plan.accum_steps} (x {plan.replicas} replicas) is larger than the "
+            f"training set, which holds {train_size} samples, so even micro-batches of 1 would "
+            f"make updates larger than the data. Use accum_steps={train_size // plan.replicas} "
+            "or less, or give effective_batch_size= instead."
+        )
+
+
+class ProbeHooks:
+    """What ``micro_batch_size=auto``'s search calls around each size: the model set up for it,
+    and a line on the terminal as it finishes (the search can take minutes).
+
+    Args:
+        cfg: the run's config.
+        plan: the :class:`AutoPlan` the sizes complete.
+        job: the :class:`Job` built for the probe.
+        announce: prints the run directory before the first size is probed (None: nothing).
+    """
+
+    def __init__(self, cfg, plan, job, announce=None):
+        self.cfg = cfg
+        self.plan = plan
+        self.job = job
+        self.announce = announce
+        self.console = make_console()
+        self.started = False
+
+    def prepare(self, size):
+        if not self.started:
+            if self.announce is not None:
+                self.announce()
+            self.console.print(
+                "micro_batch_size=auto: probing micro-batch sizes (each trains a few compiled "
+                "calls)\n" + HEADER,
+                soft_wrap=True,
+            )
+            self.started = True
+        sized = self.plan.with_micro_batch_size(size)
+        spe = execution_steps(self.cfg, sized, self.job.wrapper)
+        set_accum_steps(self.job.model, sized.accum_steps, spe)
+
+    def finished(self, probe):
+        self.console.print(probe.row(), soft_wrap=True)

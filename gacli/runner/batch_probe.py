@@ -29,10 +29,12 @@ import tensorflow as tf
 from gacli.engine.window import noise_from_two_sizes
 from gacli.errors import ConfigError, TrainingFailed
 from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, write_json
+from gacli.runner.build import build_job, job_loss_and_metrics, precision_policy
 from gacli.runner.console import make_console
+from gacli.runner.run import Run
 from gacli.runner.runstate import micro_batch_stream
+from gacli.runner.steps import plan_steps
 from gacli.runner.throughput import samples_per_second
-from gacli.runner.train import Run, _precision_policy, build_job, job_loss_and_metrics, plan_steps
 
 PROBE_FILE = "probe.json"
 PLOT_FILE = "probe.png"
@@ -234,7 +236,7 @@ def _start_point(cfg, branch, console=None):
     ``probe.samples`` within the training set (:func:`samples_within_training_set`)."""
     with_data = Run(branch.cfg, branch.run_dir, BRANCH_GIVEN)
     with_data.plan_batch()
-    with _precision_policy(cfg.precision.policy):
+    with precision_policy(cfg.precision.policy):
         with_data.load_data()
         cfg = samples_within_training_set(cfg, with_data.data.train_size, console or make_console())
         with_data.settle_plan()

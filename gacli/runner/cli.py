@@ -1,4 +1,4 @@
-"""``ga-train``: compose a config with Hydra, validate it, call :func:`gacli.runner.train.train`.
+"""``ga-train``: compose a config with Hydra, validate it, call :func:`gacli.runner.run.train`.
 
 ``config=`` picks the primary config: a shipped recipe (``config=unet.yaml``) or a path to your own
 YAML file; every other argument is a Hydra override (``accum_steps=8``, ``-m accum_steps=1,2,4``).
@@ -10,7 +10,6 @@ import contextlib
 import os
 import signal
 import sys
-import time
 import traceback
 from dataclasses import dataclass, field
 from importlib import metadata, resources
@@ -25,7 +24,15 @@ from gacli.errors import (
     TrainingFailed,
 )
 from gacli.runner import overrides as command_line
-from gacli.runner.config import FREE_ON_RESUME, GROUPS, check_tolerance_argument
+from gacli.runner.config import GROUPS
+from gacli.runner.resume import (
+    AlreadyFinished,
+    resolve_resume,
+    resume_after_requeue,
+    resume_requeued_job,
+    same_command,
+)
+from gacli.runner.validate import check_tolerance_argument
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
 _SWEEP_DIR = "multirun/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -132,144 +139,6 @@ def _split_config_argument(argv):
     return config, rest
 
 
-_YES = ("true", "yes", "on", "1")
-_NO = ("false", "no", "off", "0", "null", "none", "")
-
-
-def _same_command(run_dir, assignments):
-    """Whether ``run_dir`` was started with these key=value overrides (in any order)."""
-    from omegaconf import OmegaConf
-
-    path = os.path.join(run_dir, ".hydra", "overrides.yaml")
-    if not os.path.isfile(path):
-        return False
-    free = ("config",) + FREE_ON_RESUME
-    started = {o for o in OmegaConf.load(path) if command_line.key(o) not in free}
-    return started == {o for o in assignments if command_line.key(o) not in free}
-
-
-def _last_unfinished_run(label, assignments):
-    """The newest run of this command under outputs/<label>/ that has a checkpoint to go on from.
-
-    Runs that never reached a checkpoint (stopped on their input, or killed in their first epoch)
-    are passed over: there is nothing in them to resume.
-    """
-    root = os.path.join("outputs", label)
-    runs = sorted(os.listdir(root), reverse=True) if os.path.isdir(root) else []
-    # A finished probe=batch or check=equivalence run has no result.json, but is finished too.
-    unfinished = [
-        os.path.join(root, run) for run in runs if not rundir.finished_as(os.path.join(root, run))
-    ]
-    same = [run_dir for run_dir in unfinished if _same_command(run_dir, assignments)]
-    for run_dir in same:
-        if rundir.live_holder(run_dir) is not None:
-            rundir.check_resumable(run_dir, "resume=true")  # the newest is running: refused
-        if rundir.has_restorable_checkpoint(run_dir):
-            return run_dir
-    if same:
-        raise ConfigError(
-            f"resume=true: no unfinished run of this command under {root}/ has a checkpoint to "
-            f"go on from ({'; '.join(same[:3])} stopped before their first). Start the command "
-            "again without resume=; a run whose checkpoints were deleted cannot be continued."
-        )
-    for run in runs:  # this command's newest probe or check says why it is not resumed
-        run_dir = os.path.join(root, run)
-        if rundir.finished_as(run_dir) not in (None, "training"):
-            if _same_command(run_dir, assignments):
-                rundir.check_resumable(run_dir, "resume=true")
-    listed = "; ".join(unfinished[:3]) or "none"
-    raise ConfigError(
-        f"resume=true found no unfinished run of this command under {root}/ (unfinished runs "
-        f"there: {listed}). Give the run directory instead, e.g. resume={root}/<run>, or start a "
-        "new run without resume=."
-    )
-
-
-class AlreadyFinished(Exception):
-    """A requeued job whose run had finished before SLURM stopped it: nothing is left to do."""
-
-
-def _resume_after_requeue(overrides):
-    """A SLURM job started again (requeued, or preempted with --requeue) goes on from its run.
-
-    SLURM runs the job's script again with the same job id, so ``hydra.run.dir=runs/$SLURM_JOB_ID``
-    names the first start's directory; ``SLURM_RESTART_COUNT`` says it is a restart. Its
-    checkpoints are continued (``resume=<that dir>``); a run that finished meanwhile is left as it
-    is. A directory without checkpoints is started afresh, as it would be on the first start.
-    """
-    from gacli.runner import slurm
-
-    given = command_line.last(overrides, "hydra.run.dir")
-    if (
-        not slurm.restart_count()
-        or not given
-        or "${" in given
-        or command_line.given(overrides, "resume")
-    ):
-        return overrides
-    run_dir = os.path.abspath(os.path.expanduser(given))
-    if os.path.exists(os.path.join(run_dir, rundir.RESULT_FILE)):
-        raise AlreadyFinished(
-            f"SLURM restart {slurm.restart_count()} of job {os.environ.get('SLURM_JOB_ID')}: "
-            f"{run_dir} holds the run, finished before the restart; nothing to do."
-        )
-    if not rundir.checkpoint_numbers(run_dir):
-        return overrides
-    print(
-        f"ga-train: SLURM restart {slurm.restart_count()} of job "
-        f"{os.environ.get('SLURM_JOB_ID')}: going on from the checkpoints in {run_dir}",
-        file=sys.stderr,
-    )
-    return [*overrides, f"resume={run_dir}"]
-
-
-def _resolve_resume(overrides, label):
-    """``resume=true`` or ``resume=<run dir>`` becomes that directory, as the run directory too.
-
-    Hydra's own files of the resumed job go to ``.hydra/resumed-<time>`` in it, so that nothing
-    of the first start is overwritten.
-    """
-    chosen = [o for o in overrides if command_line.key(o) == "resume"]
-    rest = [o for o in overrides if command_line.key(o) != "resume"]
-    value = command_line.last(chosen, "resume")
-    if value is None or value.lower() in _NO:
-        return rest
-    if any(o in ("-m", "--multirun") for o in rest):
-        raise ConfigError(
-            "resume= continues one run, not a sweep; resume a sweep's job on its own with its "
-            "overrides and resume=<its directory>."
-        )
-    given_dir = command_line.values(rest, "hydra.run.dir")
-    assignments = [
-        o
-        for o in rest
-        if "=" in o and not o.startswith("-") and not command_line.key(o).startswith("hydra.")
-    ]
-    if value.lower() in _YES and not given_dir and "strategy=multi_worker" in assignments:
-        raise ConfigError(
-            "resume=true cannot tell the workers' run directories apart (only the chief's holds "
-            "the checkpoints); give every worker the chief's: resume=<chief's run dir>, on storage "
-            "all workers read."
-        )
-    if value.lower() in _YES:
-        run_dir = given_dir[-1] if given_dir else _last_unfinished_run(label, assignments)
-    else:
-        run_dir = value
-    run_dir = os.path.abspath(os.path.expanduser(run_dir))
-    if not os.path.isdir(run_dir):
-        raise ConfigError(
-            f"resume={value}: {run_dir} is not a directory; give the directory of the run to "
-            "continue (ga-train prints it at start), or resume=true for this command's last one."
-        )
-    rundir.check_resumable(run_dir, f"resume={value}")
-    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    return [o for o in rest if command_line.key(o) != "hydra.run.dir"] + [
-        f"resume='{run_dir}'",
-        f"hydra.run.dir='{run_dir}'",
-        f"hydra.output_subdir=.hydra/resumed-{stamp}",
-    ]
-
-
 @dataclass(frozen=True)
 class _Command:
     """A command line, checked: what Hydra is started with."""
@@ -347,7 +216,7 @@ def _check_run_dirs(options, assignments, launch):
 def _start_again_in(run_dir, assignments):
     """A directory whose run stopped before its first checkpoint: the same command starts again
     in it, clean; another command is refused (its files would mix with the earlier start's)."""
-    if not _same_command(
+    if not same_command(
         run_dir, [a for a in assignments if not command_line.key(a).startswith("hydra")]
     ):
         raise ConfigError(
@@ -470,7 +339,7 @@ def _check_command_line(argv, launch):
     check_choices(
         [a for a in overrides if a not in options], any(o in ("-m", "--multirun") for o in options)
     )
-    overrides = _resolve_resume(_resume_after_requeue(overrides), label)
+    overrides = resolve_resume(resume_after_requeue(overrides), label)
     assignments = [a for a in overrides if not (a.startswith("-") or "=" not in a)]
     launch.multirun = any(o in ("-m", "--multirun") for o in options)
     if not any(o.startswith(("--cfg", "--info", "-c", "-i")) for o in options):
@@ -592,7 +461,7 @@ def _validate_shown_config(command, overrides):
     from omegaconf.errors import OmegaConfBaseException
 
     from gacli.runner import objective
-    from gacli.runner.config import validate
+    from gacli.runner.validate import validate
 
     if command.config_path.startswith("pkg://"):
         initialize = initialize_config_module(
@@ -738,10 +607,10 @@ def _train(cfg, hydra_config, run_dir, launch):
     given = {
         command_line.key(override) for override in hydra_config.overrides.task if "=" in override
     }
-    from gacli.runner.config import validate
+    from gacli.runner.validate import validate
 
     validate(cfg, given)
-    _resume_requeued_job(cfg, run_dir)
+    resume_requeued_job(cfg, run_dir)
     _join_slurm_cluster(cfg)
     _refuse_lone_worker(cfg, run_dir, launch)
     if rundir.is_chief():
@@ -764,7 +633,7 @@ def _train(cfg, hydra_config, run_dir, launch):
 
         run_equivalence_check(cfg, run_dir, given)
         return None
-    from gacli.runner.train import train
+    from gacli.runner.run import train
 
     return train(cfg, run_dir=run_dir, given=given, parallel_jobs=_parallel_jobs(hydra_config))
 
@@ -809,20 +678,6 @@ def _refuse_lone_worker(cfg, run_dir, launch):
         "strategy=multi_worker (under SLURM: strategy=multi_worker strategy.cluster=slurm); to "
         f"train on its own, unset {variable} (a process on its own is its own chief)."
     )
-
-
-def _resume_requeued_job(cfg, run_dir):
-    """A job that SLURM started again inside a launcher (submitit requeues a preempted job and
-    runs the same job in the same directory) goes on from its checkpoints."""
-    from gacli.runner import slurm
-
-    if not cfg.resume and slurm.restart_count() and rundir.checkpoint_numbers(run_dir):
-        print(
-            f"ga-train: SLURM restart {slurm.restart_count()}: going on from the checkpoints in "
-            f"{run_dir}",
-            file=sys.stderr,
-        )
-        cfg.resume = run_dir
 
 
 def _record(error, run_dir, cfg, launch):

@@ -1,8 +1,8 @@
 """``ga-train check=equivalence``: the job's own model and data, one window, no training.
 
-The job is planned and its data loaded as for training (:class:`gacli.runner.train.Run`); its
+The job is planned and its data loaded as for training (:class:`gacli.runner.run.Run`); its
 model, batch-norm policy, optimizer, loss and accumulation settings are built as
-:func:`gacli.runner.train.build_job` builds them; then
+:func:`gacli.runner.build.build_job` builds them; then
 :func:`gacli.engine.equivalence.check_equivalence` compares one gacli update over the first window
 of the first pass (in the training order) with one plain-Keras update over the same samples. It
 writes ``equivalence.json`` in the run directory and no ``result.json`` or model.
@@ -17,11 +17,12 @@ import tensorflow as tf
 from gacli.engine.equivalence import EquivalenceInputError, check_equivalence
 from gacli.errors import ConfigError, TrainingFailed
 from gacli.rundir import is_chief, write_json
+from gacli.runner.build import accumulation_config, choose_wrapper, job_loss_and_metrics
 from gacli.runner.config import Wrapper
 from gacli.runner.models import build_model
 from gacli.runner.optimizers import build_optimizer
+from gacli.runner.run import Run
 from gacli.runner.runstate import micro_batch_stream
-from gacli.runner.train import Run, accumulation_config, choose_wrapper, job_loss_and_metrics
 
 EQUIVALENCE_FILE = "equivalence.json"
 
@@ -38,7 +39,7 @@ def run_equivalence_check(cfg, run_dir, given=()):
     run = Run(cfg, run_dir, given)
     run.check_run_dir()
     run.plan_batch()
-    # float32 only: config.validate refuses another precision for the check.
+    # float32 only: validate() refuses another precision for the check.
     run.load_data()
     run.settle_plan()
     plan, data, strategy = run.plan, run.data, run.strategy

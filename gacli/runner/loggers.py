@@ -13,7 +13,6 @@ checked with the rest of the config before anything is built.
 
 import contextlib
 import importlib.util
-import os
 
 from gacli.errors import ConfigError, Interrupted
 
@@ -97,33 +96,6 @@ class ScalarWriter:
     def end(self, status, reason=None):
         """The job ended (``status``: FINISHED, FAILED or KILLED, as MLflow names them), after
         the result and model were written when it finished; ``reason``: why it did not."""
-
-
-def open_writers(cfg, run_dir, hparams, resolved):
-    """The writers of the loggers ``cfg.logger`` names, opened: the chief's.
-
-    Args:
-        cfg: the job's config.
-        run_dir: the run directory.
-        hparams: what TensorBoard's HParams tab compares runs by.
-        resolved: the config with the batch arithmetic (``resolved.yaml``'s content), which
-            MLflow records as the run's parameters.
-    """
-    names = logger_names(cfg.logger)
-    writers = []
-    if "tensorboard" in names:
-        from gacli.runner.run_logging import TensorBoardWriter
-
-        writers.append(TensorBoardWriter(os.path.join(run_dir, "tensorboard"), hparams))
-    if "csv" in names:
-        from gacli.runner.metrics_csv import MetricsCsv
-
-        writers.append(MetricsCsv(os.path.join(run_dir, CSV_FILE)))
-    if "mlflow" in names:
-        from gacli.runner.mlflow_run import MlflowRun
-
-        writers.append(MlflowRun.open(cfg, run_dir, resolved))
-    return writers
 
 
 @contextlib.contextmanager

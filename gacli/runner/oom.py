@@ -13,7 +13,7 @@ batch, and training goes on from the window's first sample.
 import keras
 import tensorflow as tf
 
-from gacli.runner.config import BatchPlan
+from gacli.runner.batch_plan import BatchPlan
 
 
 class WindowStart(keras.callbacks.Callback):

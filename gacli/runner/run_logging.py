@@ -36,7 +36,7 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from gacli.engine.window import read_now
 from gacli.runner.console import micro_batches_done
-from gacli.runner.loggers import ScalarWriter
+from gacli.runner.loggers import CSV_FILE, ScalarWriter, logger_names
 from gacli.runner.memory_stats import device_memory_bytes, host_memory_bytes
 from gacli.runner.throughput import samples_per_second
 
@@ -187,8 +187,8 @@ class RunLogger(keras.callbacks.Callback):
 
     Args:
         writers: the :class:`~gacli.runner.loggers.ScalarWriter` of each logger (e.g. a
-            :class:`TensorBoardWriter`), from :func:`gacli.runner.loggers.open_writers`.
-        plan: the run's :class:`~gacli.runner.config.BatchPlan`.
+            :class:`TensorBoardWriter`), from :func:`open_writers`.
+        plan: the run's :class:`~gacli.runner.batch_plan.BatchPlan`.
         accumulator: the run's GradientAccumulateOptimizer (counters, learning rate).
         clock: the run's :class:`~gacli.runner.throughput.TrainingClock`, placed before this
             callback (samples per micro-batch, training time); the progress display reads the
@@ -381,3 +381,28 @@ class RunLogger(keras.callbacks.Callback):
         """The job ended (:func:`gacli.runner.loggers.ended_with_the_job`)."""
         for writer in self.writers:
             writer.end(status, reason)
+
+
+def open_writers(cfg, run_dir, hparams, resolved):
+    """The writers of the loggers ``cfg.logger`` names, opened: the chief's.
+
+    Args:
+        cfg: the job's config.
+        run_dir: the run directory.
+        hparams: what TensorBoard's HParams tab compares runs by.
+        resolved: the config with the batch arithmetic (``resolved.yaml``'s content), which
+            MLflow records as the run's parameters.
+    """
+    names = logger_names(cfg.logger)
+    writers = []
+    if "tensorboard" in names:
+        writers.append(TensorBoardWriter(os.path.join(run_dir, "tensorboard"), hparams))
+    if "csv" in names:
+        from gacli.runner.metrics_csv import MetricsCsv
+
+        writers.append(MetricsCsv(os.path.join(run_dir, CSV_FILE)))
+    if "mlflow" in names:
+        from gacli.runner.mlflow_run import MlflowRun
+
+        writers.append(MlflowRun.open(cfg, run_dir, resolved))
+    return writers

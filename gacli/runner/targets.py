@@ -20,7 +20,8 @@ import keras
 from omegaconf import OmegaConf
 
 from gacli.errors import ConfigError
-from gacli.runner.config import EXAMPLE_TARGETS, OWN_SECTION_KEYS
+from gacli.runner.config import OWN_SECTION_KEYS
+from gacli.runner.validate import EXAMPLE_TARGETS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,7 +70,7 @@ def own_sections(assignments, content=None):
     ``<group>._target_`` on the command line, or in the section of the YAML file ``content``
     (recipe or the user's), makes the group's section the user's own: ``<group>=own`` is chosen
     unless the command line (or, for the file's target, the file's defaults) chooses another,
-    which :func:`gacli.runner.config.validate` then refuses, naming both."""
+    which :func:`gacli.runner.validate.validate` then refuses, naming both."""
     content = content if isinstance(content, dict) else {}
     chosen = {command_line.key(a): command_line.value(a) for a in assignments}
     in_file = {}

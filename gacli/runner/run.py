@@ -2,9 +2,10 @@
 
 The Hydra entry point (:mod:`gacli.runner.cli`) only composes the config and calls this; tests call
 it directly. A :class:`Run` owns the job: its batch plan (resolved once by
-:func:`gacli.runner.config.resolve_batch`, printed at start and logged), the model and engine, the
-data stream and its order, its callbacks, checkpoints and resume, the out-of-memory re-plan and the
-result. The functions around it take what they use, and can be run one by one.
+:func:`gacli.runner.batch_plan.resolve_batch`, printed at start and logged), the model and engine
+(:mod:`gacli.runner.build`), the data stream and its order, its callbacks, checkpoints and resume,
+the out-of-memory re-plan and the result. The functions around it take what they use, and can be
+run one by one.
 """
 
 import contextlib
@@ -13,10 +14,8 @@ import errno
 import functools
 import hashlib
 import logging
-import math
 import os
 import shutil
-import warnings
 
 import keras
 import numpy as np
@@ -27,32 +26,18 @@ from gacli.engine.accumulate_model import (
     AccumulatingModelWrapper,
     accumulation_callbacks,
     set_accum_steps,
-    wrap_model,
 )
 from gacli.engine.accumulation import (
-    GradientAccumulateOptimizer,
     NonFiniteError,
-    find_accumulating_optimizer,
-)
-from gacli.engine.batchnorm import (
-    BatchNormWarning,
-    apply_batchnorm_policy,
-    plain_batchnorm_layers,
 )
 from gacli.engine.options import BatchNormPolicy, NonFinite
 from gacli.engine.precise_batchnorm import PreciseBatchNorm
-from gacli.engine.schedules import ScaledLearningRate
-from gacli.engine.settings import AccumulationConfig
-from gacli.engine.tf32 import tf32_description, tf32_enabled, tf32_mode
+from gacli.engine.tf32 import tf32_enabled, tf32_mode
 from gacli.errors import ConfigError, ProcessUnusable, TrainingFailed
 from gacli.rundir import (
-    BATCH_PLAN_FILE,
     CHECKPOINT_DIR,
-    check_usable,
     check_writable,
     is_chief,
-    read_json,
-    write_json,
     write_result,
 )
 from gacli.runner.accum_schedule import (
@@ -61,28 +46,23 @@ from gacli.runner.accum_schedule import (
     grown_accum_steps,
     updates_in_epoch,
 )
-from gacli.runner.autobatch import HEADER, find_micro_batch_size, probe_key, probe_lines
+from gacli.runner.autobatch import (
+    BatchPlanFile,
+    settle_plan,
+)
+from gacli.runner.batch_plan import BatchPlan, resolve_batch
+from gacli.runner.build import build_job, precision_policy
 from gacli.runner.config import (
-    FREE_ON_RESUME,
-    AutoPlan,
-    BatchPlan,
     OutOfMemory,
-    PartialWindow,
-    Policy,
-    Wrapper,
-    resolve_batch,
     shown_name,
 )
 from gacli.runner.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.runner.data import load_dataset
-from gacli.runner.faults import install_fake_oom
-from gacli.runner.loggers import ended_with_the_job, open_writers
+from gacli.runner.loggers import ended_with_the_job
 from gacli.runner.memory_stats import reset_memory_peaks
-from gacli.runner.models import build_model
-from gacli.runner.objective import check_metric, metric_name
 from gacli.runner.oom import WindowStart, oom_line, out_of_memory_message, position_in, smaller_plan
-from gacli.runner.optimizers import build_optimizer, learning_rate_schedule
-from gacli.runner.run_logging import RunLogger, host_memory_bytes
+from gacli.runner.resume import guard_run_dir
+from gacli.runner.run_logging import RunLogger, host_memory_bytes, open_writers
 from gacli.runner.runstate import (
     PassOrder,
     RunCheckpoint,
@@ -92,38 +72,21 @@ from gacli.runner.runstate import (
     scratch_or,
 )
 from gacli.runner.skip_budget import SkipBudget
+from gacli.runner.steps import (
+    check_batch_fits_data,
+    check_validation_split,
+    execution_steps,
+    plan_steps,
+)
 from gacli.runner.strategy import is_multi_worker, make_strategy
-from gacli.runner.targets import build_callbacks, build_loss, build_metrics
+from gacli.runner.targets import build_callbacks
 from gacli.runner.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
-
-# ga-train's one default that differs from the library's (docs/getting-started.md, "Options"):
-# without loss scaling a non-finite gradient stops the run, so that a nan never reaches the weights
-# unnoticed; the library leaves it unchecked there.
-NONFINITE_WITHOUT_LOSS_SCALING = NonFinite.stop
-
-_KERAS_POLICY = {
-    Policy.fp32: "float32",
-    Policy.mixed_float16: "mixed_float16",
-    Policy.mixed_bfloat16: "mixed_bfloat16",
-}
 
 
 def train(cfg, run_dir, given=(), parallel_jobs=False):
     """Train the job described by ``cfg`` (the arguments are :class:`Run`'s) and return its final
     metrics: a dict of the last epoch's ``loss``, ``val_loss``, ..."""
     return Run(cfg, run_dir, given, parallel_jobs).execute()
-
-
-@contextlib.contextmanager
-def _precision_policy(policy):
-    """Keras' global policy set to ``policy`` for the job, and the caller's put back after it
-    (not float32: a notebook that set mixed_bfloat16 keeps it)."""
-    callers_policy = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy(_KERAS_POLICY[policy])
-    try:
-        yield
-    finally:
-        keras.mixed_precision.set_global_policy(callers_policy)
 
 
 class Run:
@@ -173,10 +136,10 @@ class Run:
         """The job's steps; the last epoch's metrics."""
         self.check_run_dir(announce=False)
         self.plan_batch()
-        with _precision_policy(self.cfg.precision.policy), tf32_mode(self.cfg.tf32) as tf32:
+        with precision_policy(self.cfg.precision.policy), tf32_mode(self.cfg.tf32) as tf32:
             self.tf32 = tf32
             self.load_data()
-            _check_validation_split(self.cfg, self.data)  # a check=equivalence needs none
+            check_validation_split(self.cfg, self.data)  # a check=equivalence needs none
             self.settle_plan()
             self.build()
             self.make_callbacks()
@@ -200,7 +163,7 @@ class Run:
         (exit 2) leaves no directory behind."""
         if announce:
             self.announce_run_dir()
-        _guard_run_dir(self.cfg, self.run_dir)
+        guard_run_dir(self.cfg, self.run_dir)
         if is_chief():
             # Found now, not at the first save after an epoch of training.
             check_writable(self.run_dir, "the run directory")
@@ -249,10 +212,10 @@ class Run:
         if self.schedule is not None:
             plan = self.plan
             largest = BatchPlan(plan.micro_batch_size, self.schedule.largest, plan.replicas)
-            _check_batch_fits_data(self.cfg, largest, self.data.train_size)
+            check_batch_fits_data(self.cfg, largest, self.data.train_size)
             self.plan = BatchPlan(plan.micro_batch_size, self.schedule.start, plan.replicas)
             self.chosen["accum schedule"] = _schedule_line(self.schedule, plan)
-        _check_batch_fits_data(self.cfg, self.plan, self.data.train_size)
+        check_batch_fits_data(self.cfg, self.plan, self.data.train_size)
         self.steps = plan_steps(self.cfg, self.plan, self.data.train_size, self.schedule)
 
     def build(self):
@@ -515,7 +478,7 @@ class Run:
         plan = self.plan
         if accum_steps != plan.accum_steps:
             self.plan = BatchPlan(plan.micro_batch_size, accum_steps, plan.replicas)
-            spe = _steps_per_execution(self.cfg, self.plan, self.job.wrapper)
+            spe = execution_steps(self.cfg, self.plan, self.job.wrapper)
             self.steps = dataclasses.replace(self.steps, steps_per_execution=spe)
             set_accum_steps(self.job.model, accum_steps, spe, restored=restored)
             for reporter in self.callbacks.reporters():
@@ -818,586 +781,6 @@ class RunCallbacks:
     def close(self):
         for reporter in self.reporters():
             reporter.close()
-
-
-def choose_wrapper(cfg):
-    """(``Wrapper.model`` or ``Wrapper.optimizer``, the reason shown in the start-up panel)."""
-    if cfg.wrapper == Wrapper.optimizer:
-        return Wrapper.optimizer, (
-            "optimizer wrapper, as configured: in fit() it weighs every micro-batch the same and "
-            "lets windows run across epochs"
-        )
-    if cfg.wrapper == Wrapper.model:
-        return Wrapper.model, "model wrapper, as configured"
-    return Wrapper.model, (
-        "model wrapper (auto): it tells the accumulator each micro-batch's size and closes each "
-        "epoch's window, which a plain fit() cannot; it runs under "
-        f"strategy={cfg.strategy.name.value}"
-    )
-
-
-def loss_and_metrics(task, num_outputs):
-    if task == "regression":
-        return keras.losses.MeanSquaredError(), [
-            keras.metrics.MeanAbsoluteError(name="mae"),
-            keras.metrics.RootMeanSquaredError(name="rmse"),
-        ]
-    if task == "segmentation" and num_outputs == 1:
-        return keras.losses.BinaryCrossentropy(from_logits=True), [
-            keras.metrics.BinaryIoU(target_class_ids=[1], threshold=0.0, name="iou")
-        ]
-    if task == "segmentation":
-        return keras.losses.CategoricalCrossentropy(from_logits=True), ["accuracy"]
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True), [
-        keras.metrics.SparseCategoricalAccuracy(name="accuracy")
-    ]
-
-
-def job_loss_and_metrics(cfg, task, num_outputs):
-    """The job's loss and compiled metrics: its ``loss`` and ``metrics`` settings where given
-    (:mod:`gacli.runner.targets` builds them), else the task's (:func:`loss_and_metrics`)."""
-    loss, metrics = loss_and_metrics(task, num_outputs)
-    own_loss = build_loss(cfg.get("loss"))
-    if cfg.get("metrics") is not None:
-        metrics = build_metrics(cfg.metrics)
-    return (loss if own_loss is None else own_loss), metrics
-
-
-def _model_shapes(model, data):
-    """(input shape, output shape) of ``model`` without the batch axis; the input shape is None
-    for data whose inputs are a dict. A subclassed model knows them only once called: it is
-    called on the data's first sample, which builds it (as its first training step would)."""
-    named_inputs = isinstance(data.input_shape, dict)
-    try:
-        if not named_inputs:
-            return tuple(model.input_shape[1:]), tuple(model.output_shape[1:])
-    except (AttributeError, ValueError):
-        pass
-    sample = next(iter(data.train.take(1).batch(1)))[0]
-    try:
-        outputs = model(sample, training=False)
-    except (ValueError, TypeError, KeyError, tf.errors.InvalidArgumentError) as error:
-        raise ConfigError(
-            f"the model ({type(model).__name__}) cannot be called on the dataset's inputs of "
-            f"shape {data.input_shape}: {str(error).splitlines()[0][:300]}; build the model "
-            "for the data (a factory or model._target_ gets the data's shape as input_shape)."
-        ) from None
-    first = tf.nest.flatten(outputs)[0]
-    return (None if named_inputs else tuple(data.input_shape)), tuple(first.shape[1:])
-
-
-def _check_fits(model, data, own_loss=False):
-    """A clear error, before training, when the data's shapes do not fit the model; with a loss
-    of the user's own (``own_loss``), which decides what the outputs mean, only the inputs."""
-    expected, output = _model_shapes(model, data)
-    given = data.input_shape
-    if expected is not None and (
-        len(expected) != len(given) or any(e not in (None, g) for e, g in zip(expected, given))
-    ):
-        raise ConfigError(
-            f"the model takes inputs of shape {expected} but the dataset gives {tuple(given)}; "
-            "choose a model built for the data (a factory gets the data's shape), or resize image "
-            "data (dataset.image_size=, dataset.channels= for image_folder and shapes)."
-        )
-    if own_loss:
-        return
-    if data.task == "classification" and output[-1] != data.num_outputs:
-        raise ConfigError(
-            f"the model has {output[-1]} outputs but the data has {data.num_outputs} classes; "
-            f"build the model for {data.num_outputs} classes (model.kwargs for a factory), or "
-            "give the data the classes the model predicts."
-        )
-    if data.task == "regression" and output != (data.num_outputs,):
-        raise ConfigError(
-            f"the model predicts outputs of shape {output} but the data's targets have "
-            f"{data.num_outputs} value(s) a sample; build the model with {data.num_outputs} "
-            "linear outputs (model.kwargs for a factory), or give targets of its width."
-        )
-    if data.task == "segmentation" and output[:-1] != tuple(data.label_shape[:-1]):
-        raise ConfigError(
-            f"the model predicts masks of shape {output} but the data's masks are "
-            f"{tuple(data.label_shape)}; give masks of the image's height and width."
-        )
-
-
-def _nonfinite_policy(precision):
-    """The configured ``precision.nonfinite``; unset, the library's default under
-    ``mixed_float16`` (loss scaling's skip: an overflow there is routine, the scale halves and
-    training goes on) and ga-train's own otherwise."""
-    if precision.nonfinite is not None:
-        return precision.nonfinite
-    if precision.policy == Policy.mixed_float16:
-        return None  # AccumulationConfig.for_policy fills it in
-    return NONFINITE_WITHOUT_LOSS_SCALING
-
-
-def _check_validation_split(cfg, data):
-    """ConfigError, before anything is built, when ``dataset.validation_split`` asks for
-    validation data and the split leaves none: the run would log no val_ metric, and its
-    objective (val_loss by default) would be missing only once training had ended."""
-    split = cfg.dataset.validation_split
-    if not split or data.validation_size:
-        return
-    total = data.train_size + data.validation_size
-    smallest = f"a larger split, e.g. dataset.validation_split={float(f'{1.0 / total:.2g}')}, or "
-    raise ConfigError(
-        f"the validation split is empty: dataset {shown_name(cfg.dataset)} holds {total} samples, "
-        f"and dataset.validation_split={split} of them rounds to 0 for validation, so this run "
-        "would log no val_loss to report or compare. Use "
-        + (smallest if total > 1 else "")
-        + "dataset.validation_split=0 to train on every sample without validation (the "
-        "objective is then loss), or more data."
-    )
-
-
-def _check_batch_fits_data(cfg, plan, train_size):
-    """ConfigError when a micro-batch, or a window meant to lie within one pass, is larger than
-    the training set: each update would see fewer samples than the configured batch."""
-    windows_span_passes = (
-        cfg.steps_per_epoch is not None or cfg.partial_window == PartialWindow.carry
-    )
-    if train_size == 0:
-        raise ConfigError(
-            f"the training set is empty: dataset {shown_name(cfg.dataset)} leaves no sample for "
-            f"training after validation_split={cfg.dataset.validation_split} takes its share for "
-            "validation. Lower dataset.validation_split (e.g. dataset.validation_split=0.2), or "
-            "give more data."
-        )
-    if plan.global_micro_batch_size > train_size:
-        per_replica = " x replicas" if plan.replicas > 1 else ""
-        raise ConfigError(
-            f"micro_batch_size{per_replica} = {plan.global_micro_batch_size} is larger than the "
-            f"training set, which holds {train_size} samples (dataset "
-            f"{shown_name(cfg.dataset)}, after validation_split={cfg.dataset.validation_split}): "
-            "every micro-batch would hold "
-            f"{train_size} samples, not {plan.global_micro_batch_size}. Use a smaller "
-            f"micro_batch_size, e.g. micro_batch_size={max(1, train_size // (2 * plan.replicas))}"
-            ", or more data."
-        )
-    if plan.effective_batch_size > train_size and not windows_span_passes:
-        fitting = train_size // plan.global_micro_batch_size
-        if cfg.get("accum_schedule") is not None:
-            # Not partial_window=carry: a schedule changes accum_steps where a window closes.
-            raise ConfigError(
-                f"accum_schedule reaches accum_steps={plan.accum_steps}, an effective batch of "
-                f"{plan.effective_batch_size}, larger than the training set, which holds "
-                f"{train_size} samples (dataset {shown_name(cfg.dataset)}, after validation_split="
-                f"{cfg.dataset.validation_split}): every update would see {train_size} samples. "
-                + (
-                    f"Start accum_schedule=gns from accum_steps={fitting} or less"
-                    if cfg.accum_schedule == "gns"
-                    else f"Keep every stage at accum_steps={fitting} or less, e.g. "
-                    + (f"'accum_schedule={{0:1,1:{fitting}}}'" if cfg.epochs > 1 else "")
-                    + (f"'accum_schedule={{0:{fitting}}}'" if cfg.epochs == 1 else "")
-                )
-                + f" (effective batch {fitting * plan.global_micro_batch_size}), or use a "
-                "smaller micro_batch_size, or more data."
-            )
-        raise ConfigError(
-            f"effective_batch_size = {plan.effective_batch_size} is larger than the training set, "
-            f"which holds {train_size} samples (dataset {shown_name(cfg.dataset)}, after "
-            f"validation_split={cfg.dataset.validation_split}): every update would see "
-            f"{train_size} samples, not {plan.effective_batch_size}. Use accum_steps={fitting} "
-            f"(effective batch {fitting * plan.global_micro_batch_size}) or fewer, or more data; "
-            "or let windows run across passes with partial_window=carry."
-        )
-
-
-def _steps_per_execution(cfg, plan, wrapper):
-    """Micro-batches per compiled call: by default a window's, so that fit()'s per-step cost
-    (Python, callbacks, the function call) is paid once an update instead of once a micro-batch."""
-    if wrapper is Wrapper.optimizer and plan.replicas > 1:
-        # A plain keras.Model's loop over several steps fails with several replicas in sync
-        # (Keras 3.15); the model wrappers run a loop of their own (AccumulationMixin).
-        if cfg.steps_per_execution not in (None, 1):
-            raise ConfigError(
-                f"steps_per_execution={cfg.steps_per_execution} with wrapper=optimizer fails "
-                f"under {plan.replicas} replicas (Keras' own loop over several steps breaks under "
-                "tf.distribute); use wrapper=auto, which runs several steps a call, or "
-                "steps_per_execution=1."
-            )
-        return 1
-    return cfg.steps_per_execution or plan.accum_steps
-
-
-def _guard_run_dir(cfg, run_dir):
-    """Refuse to write over a finished run, or into an unfinished one without ``resume``, or to
-    resume with settings that change the maths."""
-    check_usable(run_dir, cfg.resume)
-    resolved = os.path.join(run_dir, "resolved.yaml")
-    if cfg.resume and os.path.exists(resolved):
-        before = OmegaConf.to_container(OmegaConf.load(resolved))
-        now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        changed = _differences(
-            {k: v for k, v in before.items() if k not in FREE_ON_RESUME + ("resolved",)},
-            {k: v for k, v in now.items() if k not in FREE_ON_RESUME},
-        )
-        if now["monitor"]["gns"] and not before.get("monitor", {}).get("gns", False):
-            raise ConfigError(
-                f"resume: {run_dir} was started without monitor.gns, so its checkpoints hold no "
-                "noise-scale state to go on from. Resume without monitor.gns=true (the noise "
-                "scale can be measured in a new run), or start a new run with it."
-            )
-        if changed:
-            shown = ", ".join(f"{key}={old!r} (now {new!r})" for key, old, new in changed[:4])
-            raise ConfigError(
-                f"resume: {run_dir} was started with {shown}; a resumed run must use the settings "
-                f"it started with ({resolved}). Drop those overrides, or start a new run without "
-                "resume=."
-            )
-
-
-def _differences(before, now, prefix=""):
-    """[(dotted key, before, now)] where two nested dicts differ."""
-    changed = []
-    for key in sorted(set(before) | set(now)):
-        old, new = before.get(key), now.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            changed += _differences(old, new, f"{prefix}{key}.")
-        elif old != new:
-            changed.append((f"{prefix}{key}", old, new))
-    return changed
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """How the data is cut into micro-batches, epochs and updates for one :class:`BatchPlan`."""
-
-    micro_batches: int  # per pass over the training data
-    epoch_length: int  # micro-batches per epoch (steps_per_epoch x accum_steps, when set)
-    fit_steps: int | None  # steps_per_epoch given to fit(), or None for a whole pass
-    total_updates: int
-    steps_per_execution: int
-    # At the plan's accum_steps (an accumulation schedule's first stage); partial_window=carry:
-    # on average, a fraction.
-    updates_per_epoch: float = 0
-
-
-def plan_steps(cfg, plan, train_size, schedule=None):
-    """The :class:`StepPlan` of a job whose training set holds ``train_size`` samples (and
-    follows ``schedule``, an :class:`~gacli.runner.accum_schedule.AccumSchedule`, when set)."""
-    micro_batches = math.ceil(train_size / plan.global_micro_batch_size)
-    fit_steps = None
-    if cfg.steps_per_epoch:
-        updates_per_epoch = cfg.steps_per_epoch
-        fit_steps = cfg.steps_per_epoch * plan.accum_steps
-    elif cfg.partial_window == PartialWindow.drop:
-        updates_per_epoch = micro_batches // plan.accum_steps
-    elif cfg.partial_window == PartialWindow.carry:
-        # Windows run across epochs: on average this many updates an epoch.
-        updates_per_epoch = micro_batches / plan.accum_steps
-    else:
-        updates_per_epoch = math.ceil(micro_batches / plan.accum_steps)
-    wrapper, _ = choose_wrapper(cfg)
-    total_updates = math.ceil(updates_per_epoch * cfg.epochs)
-    if schedule is not None:
-        total_updates = schedule.total_updates(micro_batches, cfg.epochs, cfg.partial_window.value)
-    return StepPlan(
-        micro_batches,
-        fit_steps or micro_batches,
-        fit_steps,
-        total_updates,
-        _steps_per_execution(cfg, plan, wrapper),
-        updates_per_epoch,
-    )
-
-
-class BatchPlanFile:
-    """``batch_plan.json`` in the run directory: the micro-batch a run chose
-    (``micro_batch_size=auto``'s probe, or ``oom=recover`` after an out-of-memory error), so that
-    a resumed run keeps it and the checkpoints count micro-batches of that size. Only the chief
-    writes it.
-
-    Args:
-        run_dir: the run directory.
-    """
-
-    def __init__(self, run_dir):
-        self.path = os.path.join(run_dir, BATCH_PLAN_FILE)
-
-    def read(self):
-        """The record, or None when the run chose no micro-batch of its own."""
-        return read_json(self.path)
-
-    def write(self, record):
-        if is_chief():
-            write_json(self.path, record)
-
-    @staticmethod
-    def record(plan, why, **more):
-        """What the file holds for ``plan``, chosen because of ``why``."""
-        return {
-            "micro_batch_size": plan.micro_batch_size,
-            "accum_steps": plan.accum_steps,
-            "replicas": plan.replicas,
-            "effective_batch_size": plan.effective_batch_size,
-            "why": why,
-            **more,
-        }
-
-
-def settle_plan(cfg, plan, data, strategy, run_dir, announce=None):
-    """(the run's BatchPlan, start-up panel lines on how it was chosen).
-
-    A run that chose its micro-batch before (``micro_batch_size=auto``'s probe, or ``oom=recover``
-    after an out-of-memory error) keeps that choice when it resumes: ``batch_plan.json`` in the run
-    directory holds it, and the checkpoints count micro-batches of that size."""
-    plan_file = BatchPlanFile(run_dir)
-    saved = plan_file.read()
-    if saved is not None and cfg.resume:
-        kept = BatchPlan(saved["micro_batch_size"], saved["accum_steps"], saved["replicas"])
-        if kept.replicas == plan.replicas:
-            return kept, {"micro-batch": f"{kept.micro_batch_size}, as before ({saved['why']})"}
-    if not isinstance(plan, AutoPlan):
-        return plan, {}
-    candidates, bounds = auto_candidates(cfg, plan, data.train_size)
-    first = plan.with_micro_batch_size(candidates[-1])
-    # Without XLA: an out-of-memory error inside an XLA program leaves the variables unusable
-    # (see _stop_for_resume). XLA's fused step usually needs less memory than this one.
-    probed = OmegaConf.merge(cfg, {"jit_compile": False})
-    job = build_job(probed, first, data, plan_steps(cfg, first, data.train_size), strategy)
-    micro, probes = find_micro_batch_size(
-        job.model,
-        strategy,
-        data.train,
-        candidates,
-        cfg.auto_batch,
-        ProbeHooks(cfg, plan, job, announce),
-    )
-    if micro is None:
-        raise TrainingFailed(
-            f"micro_batch_size=auto: not even a micro-batch of {candidates[0]} fits the device "
-            f"({probes[candidates[0]].error}). Use a smaller model or input, or "
-            "precision=mixed_float16 (half the activation memory)."
-        )
-    chosen = plan.with_micro_batch_size(micro)
-    why = f"micro_batch_size=auto, pick={cfg.auto_batch.pick.value}"
-    record = {
-        **plan_file.record(chosen, why),
-        "key": probe_key(cfg, data, strategy),
-        "probes": [dataclasses.asdict(probe) for probe in probes.values()],
-    }
-    plan_file.write(record)
-    return chosen, {"micro-batch": "\n".join(probe_lines(micro, probes, cfg.auto_batch, bounds))}
-
-
-def auto_candidates(cfg, plan, train_size):
-    """(the sizes ``micro_batch_size=auto`` may probe, smallest first; lines on the bounds put on
-    them): never more than the run can use, checked before anything is probed."""
-    _check_auto_fits_data(cfg, plan, train_size)
-    largest = train_size // plan.replicas
-    bounds = []
-    if plan.effective_batch_size is None:  # accum_steps kept: the effective batch follows
-        largest //= plan.accum_steps  # and stays within the training set
-        bounds.append(
-            f"sizes up to {largest}: {train_size} training samples / accum_steps "
-            f"{plan.accum_steps}" + (f" / {plan.replicas} replicas" if plan.replicas > 1 else "")
-        )
-    if cfg.auto_batch.max_micro_batch_size and cfg.auto_batch.max_micro_batch_size < largest:
-        largest = cfg.auto_batch.max_micro_batch_size
-        bounds.append(f"sizes up to {largest}: auto_batch.max_micro_batch_size")
-    candidates = plan.candidates(largest)
-    keeps_two = [size for size in candidates if plan.with_micro_batch_size(size).accum_steps >= 2]
-    if cfg.monitor.gns and plan.replicas == 1 and plan.effective_batch_size and keeps_two:
-        # The noise scale needs two micro-batches in a window (README, "How big should my batch
-        # be?"): with one replica, accum_steps >= 2.
-        candidates = keeps_two
-        bounds.append(
-            f"sizes up to {candidates[-1]}: monitor.gns needs two or more micro-batches per window"
-        )
-    return candidates, bounds
-
-
-def _check_auto_fits_data(cfg, plan, train_size):
-    """ConfigError, before probing, when no micro-batch could give the run its batch within the
-    training set."""
-    spans_passes = cfg.steps_per_epoch is not None or cfg.partial_window == PartialWindow.carry
-    effective = plan.effective_batch_size
-    if effective is not None and effective > train_size and not spans_passes:
-        raise ConfigError(
-            f"effective_batch_size = {effective} is larger than the training set, which holds "
-            f"{train_size} samples (dataset {shown_name(cfg.dataset)}, after validation_split="
-            f"{cfg.dataset.validation_split}), so no micro-batch that micro_batch_size=auto "
-            f"could find would do: every update would see {train_size} samples. Use "
-            f"effective_batch_size={train_size // plan.replicas * plan.replicas} or less, or more "
-            "data; or let windows run across passes with partial_window=carry."
-        )
-    if effective is None and plan.accum_steps * plan.replicas > train_size:
-        raise ConfigError(
-            f"accum_steps = {plan.accum_steps} (x {plan.replicas} replicas) is larger than the "
-            f"training set, which holds {train_size} samples, so even micro-batches of 1 would "
-            f"make updates larger than the data. Use accum_steps={train_size // plan.replicas} "
-            "or less, or give effective_batch_size= instead."
-        )
-
-
-class ProbeHooks:
-    """What ``micro_batch_size=auto``'s search calls around each size: the model set up for it,
-    and a line on the terminal as it finishes (the search can take minutes).
-
-    Args:
-        cfg: the run's config.
-        plan: the :class:`AutoPlan` the sizes complete.
-        job: the :class:`Job` built for the probe.
-        announce: prints the run directory before the first size is probed (None: nothing).
-    """
-
-    def __init__(self, cfg, plan, job, announce=None):
-        self.cfg = cfg
-        self.plan = plan
-        self.job = job
-        self.announce = announce
-        self.console = make_console()
-        self.started = False
-
-    def prepare(self, size):
-        if not self.started:
-            if self.announce is not None:
-                self.announce()
-            self.console.print(
-                "micro_batch_size=auto: probing micro-batch sizes (each trains a few compiled "
-                "calls)\n" + HEADER,
-                soft_wrap=True,
-            )
-            self.started = True
-        sized = self.plan.with_micro_batch_size(size)
-        spe = _steps_per_execution(self.cfg, sized, self.job.wrapper)
-        set_accum_steps(self.job.model, sized.accum_steps, spe)
-
-    def finished(self, probe):
-        self.console.print(probe.row(), soft_wrap=True)
-
-
-def accumulation_config(cfg, plan):
-    """The job's :class:`~gacli.AccumulationConfig` (loss scaling follows the precision policy,
-    which is set when the model is built)."""
-    return AccumulationConfig(
-        accum_steps=plan.accum_steps,
-        partial_window=cfg.partial_window,
-        loss_normalization=cfg.loss_normalization,
-        use_agc=cfg.optimizer.use_agc,
-        clip_factor=cfg.optimizer.clip_factor,
-        nonfinite=_nonfinite_policy(cfg.precision),
-        noise_scale=cfg.monitor.gns,
-        noise_scale_every=cfg.monitor.gns_every,
-    )
-
-
-@dataclasses.dataclass
-class Job:
-    """The built parts of a job: the compiled model and what the panel says about them."""
-
-    model: object
-    accumulator: object
-    wrapper: Wrapper
-    reason: str
-    batchnorm_layers: int
-    learning_rate: float
-    fault: object = None  # GACLI_FAKE_OOM_ABOVE's callback (gacli.runner.faults), when set
-    scaled_rate: ScaledLearningRate | None = None  # accum_schedule: the stage's learning rate
-
-    def facts(self, cfg, plan, data, steps, strategy):
-        """The start-up panel's lines."""
-        replicas = strategy.num_replicas_in_sync
-        layers = self.batchnorm_layers
-        return {
-            "wrapper": self.reason,
-            "model": f"{cfg.model.factory or shown_name(cfg.model)} "
-            f"({self.model.count_params():,} parameters)",
-            "data": f"{shown_name(cfg.dataset)}: {data.train_size} train / "
-            f"{data.validation_size} val samples, inputs {_shapes(data.input_shape)}",
-            "updates": f"{steps.total_updates} in {cfg.epochs} epochs, "
-            f"{steps.epoch_length} micro-batches per epoch",
-            "compiled calls": f"{steps.steps_per_execution} micro-batches each "
-            "(steps_per_execution)",
-            "precision": cfg.precision.policy.value,
-            "tf32": f"{cfg.tf32.value}: {tf32_description(tf32_enabled())}",
-            "batch norm": f"{cfg.batchnorm.value} ({layers} layer{'s' if layers != 1 else ''}"
-            + (
-                "; statistics per micro-batch, batchnorm=precise recomputes them"
-                if cfg.batchnorm == BatchNormPolicy.keep and plan.accum_steps > 1 and layers
-                else ""
-            )
-            + ")",
-            "strategy": f"{cfg.strategy.name.value} ({replicas} replica"
-            f"{'s' if replicas > 1 else ''})",
-            "learning rate": f"{self.learning_rate:.3g} at update 0",
-        }
-
-
-def _shapes(input_shape):
-    """An input shape as the panel shows it: (8, 8, 1), or {pixels: (8, 8, 1), ...}."""
-    if isinstance(input_shape, dict):
-        return (
-            "{" + ", ".join(f"{name}: {tuple(shape)}" for name, shape in input_shape.items()) + "}"
-        )
-    return str(tuple(input_shape))
-
-
-def build_job(cfg, plan, data, steps, strategy):
-    """Model, batch-norm policy, inner optimizer and accumulation wrapper, compiled."""
-    wrapper, reason = choose_wrapper(cfg)
-    loss, metrics = job_loss_and_metrics(cfg, data.task, data.num_outputs)
-    check_metric(
-        metric_name(cfg.objective, cfg.dataset.validation_split),
-        [m if isinstance(m, str) else m.name for m in metrics],
-        validation=bool(cfg.dataset.validation_split),
-    )
-    settings = accumulation_config(cfg, plan)
-    with strategy.scope():
-        keras.utils.set_random_seed(cfg.seed)
-        model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
-        _check_fits(model, data, own_loss=OmegaConf.select(cfg, "loss._target_") is not None)
-        batchnorm_layers = len(plain_batchnorm_layers(model))
-        model = apply_batchnorm_policy(model, cfg.batchnorm.value, plan.accum_steps, warn=False)
-        rate = learning_rate_schedule(cfg.optimizer, plan.effective_batch_size, steps.total_updates)
-        scaled_rate = ScaledLearningRate(rate) if cfg.get("accum_schedule") is not None else None
-        inner = build_optimizer(
-            cfg.optimizer, plan.effective_batch_size, steps.total_updates, scaled_rate
-        )
-        model, optimizer = _with_accumulation(model, inner, wrapper, settings)
-        with warnings.catch_warnings():
-            # The start-up panel's batch norm line says it, with the batchnorm= to choose.
-            warnings.simplefilter("ignore", BatchNormWarning)
-            model.compile(
-                optimizer=optimizer,
-                loss=loss,
-                metrics=metrics,
-                jit_compile=cfg.jit_compile,
-                auto_scale_loss=False,
-                steps_per_execution=steps.steps_per_execution,
-            )
-    accumulator = find_accumulating_optimizer(model.optimizer)
-    if model.built:
-        with strategy.scope():
-            # Built now, not in the first trace: the probe and the fault injection read its state.
-            model.optimizer.build(model.trainable_variables)
-    fault = install_fake_oom(model, accumulator)
-    return Job(
-        model,
-        accumulator,
-        wrapper,
-        reason,
-        batchnorm_layers,
-        float(inner.learning_rate.numpy()),
-        fault,
-        scaled_rate,
-    )
-
-
-def _with_accumulation(model, inner, wrapper, settings):
-    """(model, optimizer) to compile: the model wrapped and the inner optimizer, or the model as
-    it is and the inner optimizer wrapped."""
-    if wrapper is Wrapper.model:
-        model = wrap_model(model, config=settings)
-        # The callbacks read the counters from each call's logs where the model can return them
-        # (one replica, not a TPU); elsewhere they read the variables after each call.
-        model.counters_in_logs = True
-        return model, inner
-    from gacli.engine.clipping import agc_unit_axes
-
-    axes = agc_unit_axes(model) if settings.use_agc else None
-    return model, GradientAccumulateOptimizer(inner, config=settings, agc_unit_axes=axes)
 
 
 def _write_resolved(cfg, plan, steps, job, run_dir):

@@ -373,6 +373,14 @@ OWN_SECTION_KEYS = {
     ),
     "loss": ("_target_",),
 }
+# What the refusals show as an example target, by section.
+EXAMPLE_TARGETS = {
+    "model": "my_pkg.nets.Net",
+    "dataset": "my_pkg.data.make",
+    "optimizer": "keras.optimizers.Lion",
+    "metrics": "keras.metrics.AUC",
+    "callbacks": "keras.callbacks.CSVLogger, filename: log.csv",
+}
 
 
 def register_configs():

@@ -56,6 +56,13 @@ def _first_rows(mask, name=lambda row: f"row {row}"):
     return f"{len(rows)} sample{'s' if len(rows) != 1 else ''} (the first: {name(rows[0])})"
 
 
+def _nonfinite_rows(values):
+    """Which rows (samples) of ``values`` hold inf or nan: a bool per row."""
+    if not len(values):
+        return np.zeros(0, bool)
+    return ~np.isfinite(np.asarray(values).reshape(len(values), -1)).all(axis=1)
+
+
 def _check_arrays(x, y, cfg, source, task, num_outputs):
     """ConfigError naming the rows of non-finite inputs or targets and of bad labels; returns
     the number of classes for classification."""
@@ -63,7 +70,7 @@ def _check_arrays(x, y, cfg, source, task, num_outputs):
         raise ConfigError(
             f"{source}: the inputs have dtype {x.dtype}; save numbers (e.g. x.astype('float32'))."
         )
-    bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1) if len(x) else np.zeros(0, bool)
+    bad = _nonfinite_rows(x)
     if bad.any():
         raise ConfigError(
             f"{source}: the inputs of {_first_rows(bad)} hold inf or nan; one such value turns "
@@ -71,7 +78,7 @@ def _check_arrays(x, y, cfg, source, task, num_outputs):
             "samples."
         )
     if task == "segmentation":
-        bad = ~np.isfinite(y.reshape(len(y), -1)).all(axis=1) if len(y) else np.zeros(0, bool)
+        bad = _nonfinite_rows(y)
         if bad.any():
             raise ConfigError(
                 f"{source}: the masks of {_first_rows(bad)} hold inf or nan; replace or drop them."
@@ -91,14 +98,13 @@ def _check_targets(y, source, name=lambda row: f"row {row}"):
             f"(samples, k), and the targets have dtype {y.dtype} and shape {y.shape}; save "
             "numbers (e.g. y.astype('float32')), or drop dataset.task for class labels."
         )
-    rows = y.reshape(len(y), 1 if y.ndim == 1 else y.shape[1])
-    bad = ~np.isfinite(rows).all(axis=1)
+    bad = _nonfinite_rows(y)
     if bad.any():
         raise ConfigError(
             f"{source}: the targets of {_first_rows(bad, name)} hold inf or nan, which would "
             "turn every weight into nan; replace or drop those samples."
         )
-    return rows.shape[1]
+    return 1 if y.ndim == 1 else y.shape[1]
 
 
 def _check_labels(y, cfg, source, num_outputs, name=lambda row: f"row {row}"):
@@ -718,16 +724,16 @@ def _scan_own(dataset, source, what):
 def _refuse_nonfinite(values, name, where, first):
     """ConfigError for the first row of a batch ``values`` (rows from ``first`` on) that holds
     inf or nan (or, for sample weights, a negative weight)."""
-    rows = np.asarray(values).reshape(len(values), -1) if len(values) else None
-    if rows is None or rows.dtype.kind != "f":
+    values = np.asarray(values)
+    if not len(values) or values.dtype.kind != "f":
         return
-    bad = ~np.isfinite(rows).all(axis=1)
+    bad = _nonfinite_rows(values)
     if name == "sample weights":
-        bad |= (rows < 0).any(axis=1)
+        bad |= (values.reshape(len(values), -1) < 0).any(axis=1)
     if bad.any():
         raise ConfigError(
             f"{where} {first + int(np.flatnonzero(bad)[0])} ({int(bad.sum())} in its batch of "
-            f"{len(rows)}) hold inf or nan"
+            f"{len(values)}) hold inf or nan"
             + (" or a negative weight" if name == "sample weights" else "")
             + ", which would turn every weight into nan; fix or drop those samples."
         )

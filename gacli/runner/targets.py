@@ -20,8 +20,7 @@ import keras
 from omegaconf import OmegaConf
 
 from gacli.errors import ConfigError
-from gacli.runner.config import OWN_SECTION_KEYS
-from gacli.runner.validate import EXAMPLE_TARGETS
+from gacli.runner.config import EXAMPLE_TARGETS, OWN_SECTION_KEYS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ from gacli.runner.accum_schedule import check_schedule
 from gacli.runner.batch_plan import resolve_batch
 from gacli.runner.config import (
     AUTO,
+    EXAMPLE_TARGETS,
     OWN,
     PROBE_KEYS,
     CheckName,
@@ -127,15 +128,6 @@ def _validate_targets(cfg):
                     + f"a mapping with a _target_; write e.g. '{key}=[{{_target_: {example}}}]'."
                 )
             _check_target_path(f"{key}[{index}]._target_", target)
-
-
-EXAMPLE_TARGETS = {
-    "model": "my_pkg.nets.Net",
-    "dataset": "my_pkg.data.make",
-    "optimizer": "keras.optimizers.Lion",
-    "metrics": "keras.metrics.AUC",
-    "callbacks": "keras.callbacks.CSVLogger, filename: log.csv",
-}
 
 
 def _check_target_path(key, target):

@@ -24,6 +24,7 @@ _LAZY = {
     "GradientAccumulateModel": "gacli.engine.accumulate_model",
     "wrap_model": "gacli.engine.accumulate_model",
     "accumulation_callbacks": "gacli.engine.accumulate_model",
+    "random_state": "gacli.engine.random_state",
     "adaptive_clip_gradients": "gacli.engine.clipping",
     "agc_unit_axes": "gacli.engine.clipping",
     # gradient-accumulator's names, kept so its users' imports work unchanged.

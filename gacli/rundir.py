@@ -54,6 +54,9 @@ _held = {}  # real path -> open lock file, for the locks this process holds
 # may remove (discard_unstarted). A directory locked after another process, even one that has
 # since ended, was not made by this one (a sweep's jobs may share one through hydra.sweep.subdir).
 _created = set()
+# Real path -> the closest of its parents that existed before lock() made it (hydra.run.dir=a/b/c
+# makes a and b too): discard_unstarted removes those it made as well, while they are empty.
+_made_under = {}
 
 
 def is_chief():
@@ -110,19 +113,33 @@ def read_tf_config(raw):
     return config
 
 
-def lock(run_dir, command=""):
+def lock(run_dir, command="", resume=None):
     """Hold ``run_dir`` for this process until it ends (or :func:`release`); idempotent.
 
-    Raises ConfigError naming the holder when another process holds it.
+    Raises ConfigError naming the holder when another process holds it, and (before anything is
+    written, the lock file's record of the holder included) :func:`check_usable`'s when it holds a
+    finished run, or an unfinished one and no ``resume``: a refused command leaves an earlier
+    run's directory exactly as it was.
     """
     path = os.path.realpath(run_dir)
     if path in _held or fcntl is None:
         return
+    if finished_as(path) is not None:
+        check_usable(run_dir, resume)  # refused before even a lock file is made in it
+    existing = nearest_existing(path)
     os.makedirs(path, exist_ok=True)
     first = not os.path.lexists(os.path.join(path, LOCK_FILE))
     handle = open(os.path.join(path, LOCK_FILE), "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Held now, so no run can finish or start in it meanwhile; a live holder was "in use".
+        check_usable(run_dir, resume)
+    except ConfigError:
+        handle.close()
+        if first:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, LOCK_FILE))
+        raise
     except BlockingIOError:
         handle.seek(0)
         holder = handle.read().strip() or "a process that did not say who it is"
@@ -144,6 +161,8 @@ def lock(run_dir, command=""):
     _held[path] = handle
     if first:
         _created.add(path)
+        if existing != path:
+            _made_under[path] = existing
 
 
 def held():
@@ -153,6 +172,7 @@ def held():
 
 def release(run_dir):
     _created.discard(os.path.realpath(run_dir))
+    _made_under.pop(os.path.realpath(run_dir), None)
     handle = _held.pop(os.path.realpath(run_dir), None)
     if handle is not None:
         handle.close()  # closing the file drops the lock
@@ -325,13 +345,20 @@ def discard_unstarted(run_dir):
     if not os.path.isdir(run_dir) or checkpoint_numbers(run_dir):
         return
     for name in os.listdir(run_dir):
-        path = os.path.join(run_dir, name)
-        empty_log = name.endswith(".log") and os.path.isfile(path) and not os.path.getsize(path)
+        entry = os.path.join(run_dir, name)
+        empty_log = name.endswith(".log") and os.path.isfile(entry) and not os.path.getsize(entry)
         if name not in _BEFORE_TRAINING and not empty_log:
             return
     # Removed while still locked, so that no other run can start in it half-removed.
     shutil.rmtree(run_dir, ignore_errors=True)
+    parent, existing = os.path.dirname(path), _made_under.get(path)
     release(run_dir)
+    while existing and parent.startswith(existing + os.sep):
+        try:
+            os.rmdir(parent)  # only while empty: another run may have begun in it meanwhile
+        except OSError:
+            break
+        parent = os.path.dirname(parent)
 
 
 def check_ours(run_dir):

@@ -92,6 +92,19 @@ def test_gradient_accumulator_arguments_are_accepted():
     )
     assert isinstance(optimizer.inner_optimizer, keras.optimizers.SGD)
     assert optimizer.reduction.value == "mean"
+    # Keras' own keywords beside them: keras.Model's, an optimizer's clipping, a layer's.
+    model = gacli.GradientAccumulateModel(
+        2, inputs=inputs, outputs=outputs, name="frozen", trainable=False, reduction="sum"
+    )
+    assert (model.name, model.trainable, model.reduction.value) == ("frozen", False, "sum")
+    wrapped = gacli.wrap_model(subclassed_mlp(), accum_steps=2, loss_scaling=False)
+    assert wrapped.accum_steps == 2 and wrapped.loss_scaling is False
+    optimizer = gacli.GradientAccumulateOptimizer("sgd", accum_steps=2, clipnorm=1.0, name="ga")
+    assert optimizer.inner_optimizer.clipnorm == 1.0 and optimizer.name == "ga"
+    layer = gacli.AccumBatchNormalization(
+        accum_steps=2, momentum=0.9, epsilon=1e-3, trainable=False, name="bn"
+    )
+    assert (layer.momentum, layer.trainable, layer.name) == (0.9, False, "bn")
 
 
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
@@ -184,6 +197,75 @@ def mixed_precision_model_without_policy():
 def test_bad_arguments_say_what_to_pass(make, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make()
+
+
+def compiled_mlp():
+    model = plain_model()
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize(
+    "make, misspelt, nearest",
+    [
+        (
+            lambda **given: gacli.wrap_model(plain_model(), accum_steps=2, **given),
+            "mixed_precission",
+            "mixed_precision",
+        ),
+        (
+            lambda **given: gacli.wrap_model(subclassed_mlp(), accum_steps=2, **given),
+            "partial_windows",
+            "partial_window",
+        ),
+        (
+            lambda **given: gacli.GradientAccumulateModel(
+                accum_steps=2, inputs=mlp_layers()[0], outputs=mlp_layers()[1], **given
+            ),
+            "trainabel",
+            "trainable",
+        ),
+        (
+            lambda **given: gacli.GradientAccumulateOptimizer("sgd", **given),
+            "accum_step",
+            "accum_steps",
+        ),
+        (
+            lambda **given: gacli.AccumBatchNormalization(accum_steps=2, **given),
+            "momentun",
+            "momentum",
+        ),
+        (
+            lambda **given: gacli.check_equivalence(compiled_mlp(), None, None, **given),
+            "micro_batch",
+            "micro_batch_size",
+        ),
+        (
+            lambda **given: gacli.AccumulationConfig().replace(**given),
+            "reducton",
+            "reduction",
+        ),
+    ],
+    ids=[
+        "wrap_model",
+        "wrap_model-subclassed",
+        "GradientAccumulateModel",
+        "GradientAccumulateOptimizer",
+        "AccumBatchNormalization",
+        "check_equivalence",
+        "AccumulationConfig.replace",
+    ],
+)
+def test_a_misspelt_keyword_is_refused_with_the_nearest_name(make, misspelt, nearest):
+    """Keras' functional Model passes over a keyword it does not know: a misspelt setting given
+    to a model wrapper would do nothing. Every entry point that takes ``**kwargs`` refuses it as
+    Python refuses an unknown keyword, naming the nearest accepted one and listing them."""
+    with pytest.raises(TypeError) as error:
+        make(**{misspelt: 2})
+    message = str(error.value)
+    assert f"unexpected keyword argument {misspelt!r} (did you mean {nearest!r}?)" in message
+    accepted = message.split(". It takes ")[1].rstrip(".").split(", ")
+    assert nearest in accepted and misspelt not in accepted
 
 
 def test_model_and_optimizer_accum_steps_must_agree():

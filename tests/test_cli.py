@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -185,6 +186,31 @@ def test_help_and_config_errors_answer_without_importing_tensorflow(arguments, t
         timeout=120,
     )
     assert "tensorflow imported: False" in result.stdout, result.stdout + result.stderr
+
+
+SIGNAL_AT_ONCE = """
+import os, signal, sys
+from gacli.runner import cli
+slow = {"omegaconf", "hydra", "yaml", "keras", "tensorflow"}
+print("loaded by the import:", sorted(slow & {name.split(".")[0] for name in sys.modules}))
+cli._versions = lambda: os.kill(os.getpid(), signal.SIGTERM)  # main's first step, signalled
+cli.main(["--version"])
+"""
+
+
+def test_a_signal_in_the_first_moment_says_what_became_of_the_run(tmp_path):
+    """ga-train answers a signal from the first line of main, and importing it loads nothing slow
+    before then (OmegaConf, Hydra, TensorFlow): what is left unanswered is Python's own start."""
+    result = subprocess.run(
+        [sys.executable, "-c", SIGNAL_AT_ONCE], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.stdout == "loaded by the import: []\n", result.stdout + result.stderr
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert result.stderr == (
+        "ga-train: stopped by SIGTERM before training started: nothing was trained or saved.\n"
+    )
+    assert os.listdir(tmp_path) == []
 
 
 def test_full_error_with_hydra_full_error(tmp_path):

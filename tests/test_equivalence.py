@@ -287,6 +287,35 @@ def test_ga_train_check_fails_on_dropout_with_exit_1_and_names_it(tmp_path):
     assert output.rstrip().splitlines()[-1].startswith("ga-train: NOT EQUIVALENT")
 
 
+def test_ga_train_check_names_batch_norm_in_its_verdict_not_in_a_python_warning(tmp_path, capsys):
+    """The cnn's batch norm in training mode: the verdict names it with the exact policies;
+    gacli.BatchNormWarning, which would say it again, is not shown."""
+    import re
+    import warnings
+
+    from gacli.runner.equivalence_check import NotEquivalent, run_equivalence_check
+    from helpers import compose_config
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(NotEquivalent):
+            run_equivalence_check(
+                compose_config(
+                    "model=cnn",
+                    "model.filters=[4,4]",
+                    "micro_batch_size=8",
+                    "accum_steps=2",
+                    "check=equivalence",
+                ),
+                str(tmp_path / "run"),
+            )
+    assert not [w for w in caught if issubclass(w.category, gacli.BatchNormWarning)]
+    output = capsys.readouterr().out
+    # Keras numbers layer names on within a process: the cnn's two are batch_normalization_<n>.
+    assert re.search(r"- batch normalisation \(batch_normalization(_\d+)?, batch_norm", output)
+    assert "batchnorm=freeze" in output
+
+
 @pytest.mark.parametrize(
     "arguments, first_line",
     [
@@ -644,3 +673,65 @@ def test_q1_a_tiny_keras_hub_backbone():
     result = gacli.check_equivalence(model, x, y, accum_steps=4, micro_batch_size=8)
     assert result.passed, str(result)
     assert record(result.max_abs_diff) <= 1e-6
+
+
+def test_q1_a_keras_hub_task_model_with_tied_embeddings_wrapped_or_not():
+    """GPT2CausalLM computes its logits with its backbone's token embedding, called again outside
+    the backbone (tied weights): the check's copies keep that one layer, not two."""
+    keras_hub = pytest.importorskip("keras_hub")
+
+    def causal_lm():
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=50,
+            num_layers=1,
+            num_heads=2,
+            hidden_dim=8,
+            intermediate_dim=16,
+            max_sequence_length=16,
+            dropout=0.0,
+        )
+        return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 50, size=(32, 8)).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    y = np.roll(tokens, -1, axis=1)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for model in (causal_lm(), gacli.wrap_model(causal_lm(), accum_steps=4)):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        result = gacli.check_equivalence(model, x, y, accum_steps=4, micro_batch_size=8)
+        assert result.passed and result.conclusive, str(result)
+        # One embedding matrix, trained by both of its uses, as in the model itself.
+        assert len(result.variables) == len(model.weights) == 20
+        assert record(result.max_abs_diff) <= 1e-6
+
+
+def test_a_copy_without_the_models_weights_is_refused_saying_what_to_do():
+    """A layer whose get_config() leaves out what shapes its weights cannot be copied: the check
+    names the weight and the shapes, and says what to give the layer."""
+
+    class Projection(keras.layers.Layer):
+        def __init__(self, units=3, **kwargs):
+            super().__init__(**kwargs)
+            self.units = units
+
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
+
+        def call(self, inputs):
+            return inputs @ self.kernel
+
+        def get_config(self):
+            return super().get_config()  # units left out
+
+    inputs = keras.Input((FEATURES,))
+    model = compiled(keras.Model(inputs, Projection(5, name="projection")(inputs)))
+    with pytest.raises(EquivalenceInputError) as error:
+        gacli.check_equivalence(model, X, np.zeros((len(X), 5)), accum_steps=2, micro_batch_size=8)
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"projection/kernel is ({FEATURES}, 3) in the copy, ({FEATURES}, 5) in the model" in (
+        message
+    )
+    assert "get_config() that returns every argument of its __init__" in message

@@ -1,6 +1,7 @@
 """Hydra's own launcher and sweeper plugins, installed as a user installs them: the key check lets
 them through (and still refuses typos), joblib runs jobs side by side, Optuna searches with the
-job's objective and goes on past a failed trial. The SLURM launcher is in test_slurm.py."""
+job's objective and goes on past a failed trial; an objective no job can report is said once,
+before any job runs. The SLURM launcher is in test_slurm.py."""
 
 import glob
 import json
@@ -64,6 +65,23 @@ def test_plugin_and_objective_errors(tmp_path, arguments, first_line):
     assert lines and lines[0].startswith(first_line), output
     assert "Traceback" not in output
     assert not glob.glob(str(tmp_path / "sweep" / "*" / "result.json")), "nothing trained"
+
+
+def test_a_misspelt_objective_is_said_once_before_jobs_run_side_by_side(tmp_path):
+    code, output = ga_train(
+        "-m", "hydra/sweeper=optuna", "hydra/launcher=joblib", "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.n_jobs=3", "hydra.sweeper.direction=maximize", "objective=val_acuracy",
+        "optimizer.learning_rate=choice(0.003,0.01)", *QUICK, cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 2 and "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if "objective=val_acuracy is not" in line]
+    assert lines == [
+        "ga-train: objective=val_acuracy is not a metric a ga-train run logs; it logs loss, "
+        "accuracy, iou, mae, rmse, val_loss, val_accuracy, val_iou, val_mae, val_rmse (accuracy "
+        "for classes, iou for masks of one class, mae and rmse for regression). Did you mean "
+        "objective=val_accuracy? Give one of those, e.g. objective=val_loss."
+    ], output
+    assert "Error executing job" not in output and not (tmp_path / "sweep").exists(), output
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ import importlib.util
 import json
 import os
 import signal
+import socket
+import sqlite3
 import time
 
 import numpy as np
@@ -20,8 +22,10 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util.tensor_util import make_ndarray
 
-from gacli.errors import ConfigError
+from gacli.errors import ConfigError, TrainingFailed
+from gacli.runner import mlflow_run
 from gacli.runner.metrics_csv import MetricsCsv
+from gacli.runner.run import train
 from gacli.runner.validate import validate
 from helpers import compose_config, ga_report, ga_train, start_ga_train
 
@@ -125,7 +129,11 @@ def test_the_three_loggers_hold_the_same_scalars_through_a_resume(resumed_run):
     assert plan == {"micro_batch_size": "32", "accum_steps": "4"}
     assert (params["resolved.effective_batch_size"], params["resolved.replicas"]) == ("128", "1")
     assert params["resolved.updates_per_epoch"] == "12"
+    # What the loss is: ga-report marks a best loss only among runs of one loss.
+    assert params["resolved.loss"] == "sparse_categorical_crossentropy"
     assert params["resume"] == "null"  # the first start's: a resumed run changes no param
+    # Stopped by SIGTERM, then resumed to the end: why the first process stopped is not kept.
+    assert "gacli.ended_by" not in run.data.tags, run.data.tags
     artifacts = {item.path for item in client.list_artifacts(run.info.run_id)}
     assert {"result.json", "model.keras"} <= artifacts
 
@@ -213,3 +221,57 @@ def test_metrics_csv_joins_an_update_s_values_and_keeps_one_row_an_update_on_res
     assert (rows[0]["rate"], rows[1]["rate"], rows[0]["train/loss"]) == ("", "5", "1")
     assert [rows[2][key] for key in ("val/loss", "schedule/accum_steps")] == ["0.25", "2"]
     assert (rows[2]["schedule/noise_scale"], rows[3]["train/loss"]) == ("7.5", "0.21")
+
+
+def test_a_store_or_table_that_cannot_be_written_is_refused_in_seconds(tmp_path, monkeypatch):
+    """Each refused before anything is built (exit 2), in seconds rather than after MLflow's
+    retries: a file that is not a database, one another process holds locked, a folder that
+    cannot be made, a server that takes the connection and never answers; and a metrics.csv
+    that is a folder."""
+    monkeypatch.setattr(mlflow_run, "_LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(mlflow_run, "_SERVER_WAIT_S", 0.5)
+    run_dir = str(tmp_path / "run")
+    not_a_database = tmp_path / "notes.db"
+    not_a_database.write_text("not a database\n")
+    locked = tmp_path / "locked.db"
+    holder = sqlite3.connect(locked, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    silent = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
+    port = silent.getsockname()[1]
+    cases = {
+        f"sqlite:///{not_a_database}": f"{not_a_database} is not a SQLite database",
+        f"sqlite:///{locked}": f"{locked} is locked by another process (waited 0 s)",
+        f"sqlite:///{not_a_database}/mlflow.db": f"{not_a_database} is a file, so no folder",
+        f"http://127.0.0.1:{port}": "the server did not answer within 0 s. Start the server",
+    }
+    try:
+        for uri, problem in cases.items():
+            cfg = compose_config("logger=[mlflow]", f"mlflow.tracking_uri='{uri}'")
+            started = time.monotonic()
+            with pytest.raises(ConfigError) as refusal:
+                train(cfg, run_dir)
+            assert time.monotonic() - started < 5, uri
+            message = str(refusal.value)
+            assert message.startswith(f"mlflow.tracking_uri={uri}: "), message
+            assert problem in message and "drop mlflow from logger=" in message, message
+    finally:
+        holder.close()
+        silent.close()
+    os.makedirs(os.path.join(run_dir, "metrics.csv"))
+    with pytest.raises(ConfigError, match=r"metrics.csv is a folder, and logger=csv writes"):
+        train(compose_config("logger=[csv]"), run_dir)
+    assert "resolved.yaml" not in os.listdir(run_dir), "refused before the model is built"
+
+
+def test_metrics_csv_that_cannot_be_written_while_training_stops_in_a_paragraph(tmp_path):
+    path = tmp_path / "metrics.csv"
+    table = MetricsCsv(str(path))
+    table.start(0)
+    table.write(1, [("train/loss", 0.5)])
+    os.makedirs(f"{path}.writing")  # where a new column's table is written
+    with pytest.raises(TrainingFailed) as failure:
+        table.write(2, [("train/loss", 0.4), ("val/loss", 0.6)])
+    message = str(failure.value)
+    assert message.startswith(f"{path} could not be written (Is a directory); training stopped")
+    assert "resume=true" in message and "drop csv from logger=" in message, message

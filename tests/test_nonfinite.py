@@ -348,3 +348,22 @@ def test_a_micro_batch_without_gradients_passes_the_check():
     tf.function(lambda: optimizer.apply([None] * len(variables), variables, sample_count=4))()
     assert int(optimizer.skipped_micro_batches.numpy()) == 0
     assert optimizer.halted_micro_step() == 0
+
+
+def test_stop_halts_at_a_loss_that_overflowed_though_its_gradient_is_finite():
+    """Targets near 1e30 in one micro-batch: its squared error overflows float32 to inf while its
+    gradient (twice the error) stays finite. The loss is checked as the gradient is: the run
+    halts there, and no update uses it."""
+    x, y = make_data(32)
+    y[16:24] = 1e30  # micro-batch 3 of 4 (micro-batches of 8): the second window's first
+    inputs, outputs = mlp_layers()
+    model = gacli.GradientAccumulateModel(
+        accum_steps=2, inputs=inputs, outputs=outputs, nonfinite="stop"
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(gacli.NonFiniteError) as stopped:
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert stopped.value.micro_step == 3
+    assert model.optimizer_step.numpy() == 1
+    reference = big_batch_reference(lambda: keras.optimizers.SGD(0.1), [np.arange(0, 16)], x, y)
+    assert max_weight_difference(model, reference) <= 1e-6

@@ -19,6 +19,7 @@ from helpers import (
     epoch_windows,
     make_data,
     max_weight_difference,
+    mlp_layers,
     plain_model,
     weights_difference,
 )
@@ -161,6 +162,31 @@ def test_a_fourth_positional_argument_is_read_as_the_older_releases_read_it():
         gacli.GradientAccumulateOptimizer("sgd", 4, "mean", True, False)
     with pytest.raises(TypeError, match="Pass the rest by keyword"):
         gacli.GradientAccumulateOptimizer("sgd", 4, "mean", 0.01)
+
+
+def test_the_agc_names_are_accepted_and_the_usual_typo_is_refused_naming_use_agc():
+    """gradient-accumulator takes ``use_agc`` (its README writes ``agc``), ``mixed_precision`` and
+    ``experimental_distributed_support``; ``use_acg`` was never one of its names, and a typo that
+    did nothing would train without the clipping asked for (docs/migrating.md)."""
+    inputs, outputs = mlp_layers()
+    makers = {
+        "wrap_model": lambda **given: gacli.wrap_model(plain_model(), accum_steps=2, **given),
+        "GradientAccumulateModel": lambda **given: gacli.GradientAccumulateModel(
+            accum_steps=2, inputs=inputs, outputs=outputs, **given
+        ),
+        "GradientAccumulateOptimizer": lambda **given: gacli.GradientAccumulateOptimizer(
+            "sgd", accum_steps=2, **given
+        ),
+    }
+    for called, make in makers.items():
+        for name in ("agc", "use_agc"):
+            assert make(**{name: True}).use_agc
+        with pytest.raises(TypeError, match=rf"^{called}\(\) got an unexpected keyword argument "):
+            make(use_acg=True)
+        with pytest.raises(TypeError, match=r"'use_acg' \(did you mean 'use_agc'\?\)"):
+            make(use_acg=True)
+    for make in (makers["wrap_model"], makers["GradientAccumulateModel"]):
+        assert make(mixed_precision=False, experimental_distributed_support=True).accum_steps == 2
 
 
 def test_one_accum_batchnorm_in_two_places_is_refused_with_what_to_write():

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
 from helpers import compose_config, event_tags, ga_report, ga_train, run_dir_of
 
@@ -55,6 +56,9 @@ def test_a_regression_run_learns_and_logs_mae_and_rmse(run):
     assert result["val_rmse"] == pytest.approx(np.sqrt(result["val_loss"]), rel=1e-3)
     tags, _ = event_tags(run_dir)
     assert {"train/mae", "val/mae", "train/rmse", "val/rmse"} <= tags, sorted(tags)
+    # Recorded, so that ga-report marks no best loss between it and a classifier's run.
+    resolved = OmegaConf.load(os.path.join(run_dir, "resolved.yaml")).resolved
+    assert resolved.loss == "mean_squared_error", resolved
 
 
 @pytest.mark.slow
@@ -133,8 +137,8 @@ def test_tfrecord_targets_train_as_rows_of_their_values(tmp_path):
     [
         (
             ("dataset=image_folder", "dataset.path=.", "dataset.task=regression"),
-            "ga-train: dataset.task=regression reads float targets from dataset=npz or "
-            "dataset=tfrecord",
+            "ga-train: dataset.task=regression reads float targets from dataset=npz, "
+            "dataset=tfrecord or a dataset of your own (dataset._target_=...)",
         ),
         pytest.param(
             ("dataset=npz", "dataset.path=strings.npz", "dataset.task=regression"),
@@ -153,3 +157,25 @@ def test_what_regression_cannot_train_on_is_refused_before_training(
     first = next(line for line in output.splitlines() if line.startswith("ga-train:"))
     assert first.startswith(first_line), first
     assert "Traceback" not in output and not list(tmp_path.glob("outputs/**/result.json"))
+
+
+def test_targets_whose_squared_error_overflows_float32_are_refused(tmp_path):
+    """Targets near 1e30: the mean squared error of an untrained model is inf in float32 (its
+    gradient is not), so such data is refused where it is read, naming the row."""
+    from gacli.errors import ConfigError
+    from gacli.runner.data import load_dataset
+
+    x = np.zeros((20, 4), "float32")
+    y = np.ones(20, "float32")
+    np.savez(tmp_path / "fine.npz", x=x, y=y * 1e18)  # squares sum to 2e37: finite
+    y[7] = 1e30
+    np.savez(tmp_path / "huge.npz", x=x, y=y)
+    config = ("dataset=npz", "dataset.task=regression")
+    load_dataset(compose_config(*config, f"dataset.path={tmp_path / 'fine.npz'}").dataset)
+    with pytest.raises(ConfigError) as refused:
+        load_dataset(compose_config(*config, f"dataset.path={tmp_path / 'huge.npz'}").dataset)
+    assert str(refused.value).startswith(
+        "huge.npz: the targets are too large to train on in float32: row 7 holds "
+        "1e+30, and the squares of such targets, summed over the 20 samples, exceed float32's "
+        "largest number (3.4e+38), so the mean squared error would be inf."
+    ), str(refused.value)

@@ -230,6 +230,68 @@ def test_values_a_diverged_or_damaged_event_file_holds_are_reported(tmp_path):
     assert [row["accum_steps"] for row in _report(sweep)["runs"]] == [1, 2]  # inf sorts last
 
 
+def _loss(name):
+    """An edit: the run trained the loss ``name`` (resolved.yaml's ``resolved.loss``)."""
+
+    def edit(run_dir):
+        import yaml
+
+        path = os.path.join(run_dir, "resolved.yaml")
+        with open(path) as handle:
+            config = yaml.safe_load(handle)
+        config["resolved"]["loss"] = name
+        _rewrite(path, yaml.safe_dump(config))
+
+    return edit
+
+
+def test_a_best_loss_is_marked_only_among_runs_of_one_loss(tmp_path):
+    sweep = make_sweep(tmp_path, accum_steps=(1, 2, 4))
+    runs = sorted(os.listdir(sweep))[:3]
+    for name, loss in zip(runs, ("sparse_categorical_crossentropy",) * 2 + ("mean_squared_error",)):
+        _loss(loss)(os.path.join(sweep, name))
+    code, output = ga_report(sweep, "--no-plots", cwd=tmp_path, columns=200)
+    assert code == 0 and "Traceback" not in output, output
+    data = _report(sweep)
+    assert not {"train_loss", "train_loss_best", "val_loss", "val_loss_best"} & set(data["best"])
+    assert {"samples_per_sec", "wall_seconds"} <= set(data["best"]), data["best"]  # the others
+    why = (
+        "no best train or val loss is marked: the runs trained different losses "
+        "(sparse_categorical_crossentropy in 0, 1; mean_squared_error in 2)"
+    )
+    assert data["no_best_loss"].startswith(why), data["no_best_loss"]
+    assert why in " ".join(output.split()), output
+    report = open(os.path.join(sweep, "report.md")).read()
+    assert f"Losses: {why}" in report and "| **0.1" not in report, report
+    # One loss: its best is marked again.
+    _loss("sparse_categorical_crossentropy")(os.path.join(sweep, runs[2]))
+    code, output = ga_report(sweep, "--no-plots", cwd=tmp_path)
+    assert code == 0, output
+    data = _report(sweep)
+    assert data["no_best_loss"] is None and data["best"]["val_loss"] == 0.5 / 4 + 0.05
+
+
+def test_the_command_of_a_run_of_the_user_s_modules_sets_their_pythonpath(tmp_path):
+    sweep = make_sweep(tmp_path, accum_steps=(1, 2))
+    first, second = sorted(os.listdir(sweep))[:2]
+    import yaml
+
+    path = os.path.join(sweep, first, "resolved.yaml")
+    with open(path) as handle:
+        config = yaml.safe_load(handle)
+    config["resolved"]["pythonpath"] = "/home/me/my project:/opt/lib"  # as resolved.yaml keeps it
+    _rewrite(path, yaml.safe_dump(config))
+    code, output = ga_report(sweep, "--no-plots", cwd=tmp_path)
+    assert code == 0, output
+    commands = {row["run"]: row["command"] for row in _report(sweep)["runs"]}
+    assert commands["0"] == (
+        "PYTHONPATH='/home/me/my project:/opt/lib' ga-train config=unet.yaml accum_steps=1"
+    )
+    assert commands["1"] == "ga-train config=unet.yaml accum_steps=2"  # installed modules only
+    report = open(os.path.join(sweep, "report.md")).read()
+    assert f"- `0`: `{commands['0']}`" in report, report
+
+
 def test_epoch_logs_keep_only_finite_numbers(tmp_path):
     from types import SimpleNamespace
 
@@ -307,14 +369,15 @@ def make_interrupted(run_dir, overrides=()):
 
 @pytest.fixture
 def live(tmp_path):
-    """``hold(run_dir)``: another process holds the run's lock (as a training ga-train does)
-    until the test ends."""
+    """``hold(run_dir)``: another process holds the run's lock (as a training ga-train does; one
+    that resumed, as the run may hold checkpoints) until the test ends."""
     holders = []
 
     def hold(run_dir):
         script = (
             "import sys, time\nfrom gacli import rundir\n"
-            "rundir.lock(sys.argv[1], 'ga-train accum_steps=2')\nprint('held', flush=True)\n"
+            "rundir.lock(sys.argv[1], 'ga-train accum_steps=2', resume=True)\n"
+            "print('held', flush=True)\n"
             "time.sleep(120)\n"
         )
         process = subprocess.Popen(

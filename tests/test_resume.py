@@ -343,3 +343,148 @@ def test_a_resumed_run_that_finishes_sets_its_failure_aside_and_frees_its_lock(t
     # The finished run is never written to again.
     code, output = ga_train(*job, "resume=run", cwd=tmp_path)
     assert code == 2 and "holds a finished run" in output, output
+
+
+# A model whose layers draw random numbers (user_project.nets.noisy: Gaussian noise inside a
+# nested Sequential, and dropout): one epoch of 45 micro-batches in windows of 4.
+RANDOM_JOB = ("model=own", "model._target_=user_project.nets.noisy", "epochs=1", "accum_steps=4")
+
+
+def test_resume_is_exact_with_layers_that_draw_random_numbers(tmp_path, monkeypatch):
+    """Stopped as SIGTERM stops it, after micro-batch 30 (in the middle of a window), and
+    resumed: the same weights as the uninterrupted run, to the bit. Without the seed generators'
+    states in the checkpoint, the resumed run draws the masks and noise of a fresh start."""
+    import tensorflow as tf
+
+    from gacli.errors import Interrupted
+    from gacli.runner.run import train
+    from gacli.runner.runstate import RunCheckpoint
+
+    uninterrupted, stopped = str(tmp_path / "uninterrupted"), str(tmp_path / "stopped")
+    train(compose_config(*RANDOM_JOB), uninterrupted)
+
+    batch_end = RunCheckpoint.on_train_batch_end
+
+    def signalled_at_30(self, batch, logs=None):
+        if self.offset == 0 and batch + 1 >= 30:
+            self.signals.received = signal.SIGTERM
+        batch_end(self, batch, logs)
+
+    monkeypatch.setattr(RunCheckpoint, "on_train_batch_end", signalled_at_30)
+    with pytest.raises(Interrupted, match="checkpoint saved"):
+        train(compose_config(*RANDOM_JOB), stopped)
+    monkeypatch.undo()
+    newest, _ = newest_checkpoint(stopped)
+    held = {name for name, _ in tf.train.list_variables(newest) if name.startswith("random_state")}
+    # Dropout's and GaussianNoise's seed generators, and Keras' global one.
+    assert len(held) == 3, held
+
+    train(compose_config(*RANDOM_JOB, f"resume={stopped}"), stopped)
+    measured = record(run_difference(stopped, uninterrupted))
+    assert measured == 0.0
+    finished = (json.load(open(os.path.join(d, "result.json"))) for d in (stopped, uninterrupted))
+    assert next(finished)["weights_sha256"] == next(finished)["weights_sha256"]
+
+
+def _noisy_subclassed_model():
+    import keras
+
+    class Noisy(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.front = keras.Sequential([keras.layers.GaussianNoise(1.0), keras.layers.Dense(4)])
+            self.dropout = keras.layers.Dropout(0.5)
+
+        def call(self, inputs, training=False):
+            return self.dropout(self.front(inputs, training=training), training=training)
+
+    model = Noisy()
+    model(_ones())
+    return model
+
+
+def _ones():
+    import numpy as np
+
+    return np.ones((2, 3), "float32")
+
+
+def test_random_state_lets_a_checkpoint_of_a_subclassed_model_draw_on(tmp_path):
+    """The library's face: gacli.random_state(model) in a tf.train.Checkpoint; restored, a
+    subclassed model's nested layers draw what they would have drawn next."""
+    import numpy as np
+    import tensorflow as tf
+
+    import gacli
+
+    model = _noisy_subclassed_model()
+    checkpoint = tf.train.Checkpoint(model=model, random_state=gacli.random_state(model))
+    model(_ones(), training=True)
+    saved = checkpoint.save(str(tmp_path / "ckpt"))
+    following = [np.array(model(_ones(), training=True)) for _ in range(2)]
+    checkpoint.restore(saved).assert_consumed()
+    again = [np.array(model(_ones(), training=True)) for _ in range(2)]
+    assert all(np.array_equal(a, b) for a, b in zip(following, again))
+    # The model alone does not hold the seed generators' states.
+    tf.train.Checkpoint(model=model).restore(saved).assert_existing_objects_matched()
+    assert not np.array_equal(np.array(model(_ones(), training=True)), following[0])
+
+
+def test_a_checkpoint_without_random_state_resumes_and_says_so(tmp_path):
+    """A checkpoint written by an earlier gacli (no random state in it) restores, with one warning
+    that the random layers draw afresh; the next checkpoint is numbered on and holds the state."""
+    import keras
+    import tensorflow as tf
+
+    from gacli.runner.runstate import RunState
+
+    model = _noisy_subclassed_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    epoch, micro_batch = tf.Variable(1, dtype="int64"), tf.Variable(7, dtype="int64")
+    older = tf.train.Checkpoint(
+        model=model, optimizer=model.optimizer, epoch=epoch, micro_batch=micro_batch
+    )
+    tf.train.CheckpointManager(older, str(tmp_path / "checkpoints"), max_to_keep=2).save()
+    state = RunState(model, str(tmp_path), chief=True)
+    warnings = []
+    assert state.restore(warn=warnings.append) == (1, 7)
+    (warning,) = warnings
+    assert "ckpt-1 was written without the state of the model's random layers" in warning
+    saved = state.save(1, 8)
+    assert saved.endswith("ckpt-2"), saved
+    held = [name for name, _ in tf.train.list_variables(saved) if name.startswith("random_state/")]
+    assert len(held) == 3, held  # the dropout's, the noise's and Keras' global generator
+    state.close()
+
+
+def test_a_resume_logs_no_tensorflow_deprecation_notice(tmp_path, monkeypatch):
+    """A resume rewrites the ``checkpoint`` file with TensorFlow's writer, which is deprecated:
+    its notice ("update_checkpoint_state ... is deprecated") is not for the user of ga-train."""
+    import logging
+
+    import keras
+    import tensorflow as tf
+    from tensorflow.python.util import deprecation
+
+    from gacli.runner.runstate import RunState
+
+    # TensorFlow logs each deprecation once in a process: as if none had been logged yet.
+    monkeypatch.setattr(deprecation, "_PRINTED_WARNING", {})
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    RunState(model, str(tmp_path), chief=True).save(0, 4)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # as ga-train sets it
+    logger.addHandler(handler)
+    try:
+        assert RunState(model, str(tmp_path), chief=True).restore() == (0, 4)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert [record.getMessage() for record in logged] == []

@@ -1,9 +1,11 @@
 """Run directories are never lost or rewritten: every command that writes one refuses a finished
-one; a process removes only a directory it made and holds; a worker that is not the chief is
-refused under a strategy of one process instead of training and saving nothing; result.json and
-epoch_logs.json get the umask's permissions; a SIGTERM before training says what was saved; a
-folder of the user's is never written into; a run killed before its first checkpoint is not mixed
-with another command's; a full disk is named as such and the run resumes once there is room."""
+one, and a sweep's job refused one changes nothing in it; a process removes only a directory it
+made and holds, and a command Hydra cannot compose leaves none; a worker that is not the chief is
+refused under a strategy of one process instead of training and saving nothing, and so is the
+chief of a cluster of several, which would train alone; result.json and epoch_logs.json get the
+umask's permissions; a SIGTERM before training says what was saved; a folder of the user's is
+never written into; a run killed before its first checkpoint is not mixed with another command's;
+a full disk is named as such and the run resumes once there is room."""
 
 import glob
 import json
@@ -60,6 +62,24 @@ def test_a_worker_that_is_not_the_chief_is_refused_under_one_process(
     assert "add strategy=multi_worker" in output and f"unset {variable}" in output
     assert run_dirs(tmp_path) == []  # the empty directory Hydra made for it is gone too
     assert "run directory:" not in output  # refused before the run began
+
+
+def test_the_chief_of_a_cluster_of_several_is_refused_under_one_process(tmp_path, monkeypatch):
+    code, output = ga_train(*QUICK, cwd=tmp_path, env={"TF_CONFIG": worker_one_of_two(0)})
+    assert code == 2 and "Traceback" not in output, output
+    assert first_line(output).startswith(
+        "ga-train: TF_CONFIG names a cluster of 2 tasks, and this process is its chief (worker "
+        "0), but strategy=default trains in this one process, so it would train alone"
+    )
+    assert "add strategy=multi_worker" in output and "unset TF_CONFIG" in output
+    assert run_dirs(tmp_path) == []
+    # A cluster of one (and an evaluator beside it) is a process on its own.
+    from gacli.runner.cli import _refuse_lone_worker
+    from helpers import compose_config
+
+    alone = {"worker": ["127.0.0.1:20001"], "evaluator": ["127.0.0.1:20002"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": alone, "task": {"type": "worker"}}))
+    _refuse_lone_worker(compose_config(), str(tmp_path / "alone"), None)
 
 
 @pytest.mark.parametrize(
@@ -128,11 +148,17 @@ def finished_check(directory, command):
 
 
 def listing(directory):
-    """Every file under ``directory`` with its modification time (not the lock file, which each
-    ga-train that takes the directory, even to refuse it, writes its name in)."""
-    paths = (os.path.join(root, name) for root, _, names in os.walk(directory) for name in names)
-    paths = (path for path in paths if os.path.basename(path) != rundir.LOCK_FILE)
-    return sorted((os.path.relpath(path, directory), os.path.getmtime(path)) for path in paths)
+    """Every file under ``directory`` with its modification time and content, the lock file's
+    record of the run that held it included: a command refused the directory changes none."""
+    found = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as handle:
+                found.append(
+                    (os.path.relpath(path, directory), os.path.getmtime(path), handle.read())
+                )
+    return sorted(found)
 
 
 @pytest.mark.parametrize(
@@ -157,6 +183,32 @@ def test_a_finished_directory_is_refused_to_every_command(tmp_path, make, what, 
         "hydra.run.dir unset (each run gets a new directory) or pick a new one."
     )
     assert listing(run_dir) == before
+
+
+def test_a_sweeps_jobs_given_finished_runs_change_nothing_in_them(tmp_path):
+    """Hydra writes its record of a job (.hydra/*.yaml) into the job's directory before the job
+    runs; jobs whose hydra.sweep.subdir names a finished run, with its lock file or without, are
+    refused and leave everything of it as it was: ga-report still shows the run's own command."""
+    trained = tmp_path / "finished2"
+    (trained / ".hydra").mkdir(parents=True)
+    (trained / ".hydra" / "overrides.yaml").write_text("- accum_steps=4\n")
+    (trained / rundir.RESULT_FILE).write_text('{"val_loss": 2.3}')
+    (trained / rundir.LOCK_FILE).write_text(
+        "ga-train, pid 1 on a host that ended, started 2026-01-01 00:00:00: ga-train "
+        "accum_steps=4\n"
+    )
+    probed = tmp_path / "finished3"
+    finished_probe(probed, PROBE)
+    (probed / rundir.LOCK_FILE).unlink()  # copied elsewhere, say: no lock file
+    before = [listing(trained), listing(probed)]
+    code, output = ga_train(
+        "-m", *QUICK, "accum_steps=2,3", f"hydra.sweep.subdir={tmp_path}/finished${{accum_steps}}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 2 and "Traceback" not in output, output
+    assert f"{trained} holds a finished run, which is never written to again" in output, output
+    assert f"{probed} holds a finished probe=batch run" in output, output
+    assert [listing(trained), listing(probed)] == before
 
 
 def test_a_sweeps_job_is_refused_a_finished_probe(tmp_path):
@@ -283,6 +335,15 @@ def test_sigterm_before_training_says_nothing_was_saved(tmp_path):
     ), output
     assert "Traceback" not in output
     assert not (tmp_path / "early").exists()
+
+
+def test_a_command_hydra_cannot_compose_leaves_no_directory_it_made(tmp_path):
+    """hydra.run.dir is taken before Hydra composes the config; an override Hydra refuses (a
+    value of the wrong type) leaves no directory behind, nor the parents the command made."""
+    code, output = ga_train("model.depth=", *QUICK, "hydra.run.dir=made/run", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert "Error merging override model.depth=" in output, output
+    assert not (tmp_path / "made").exists()
 
 
 # Other people's folders, a run killed before its first checkpoint, a full disk.

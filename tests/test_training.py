@@ -270,6 +270,86 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise(
     assert "effective batch  64 = micro_batch_size 32 x accum_steps 2 x replicas 1" in output
 
 
+def test_the_console_shows_what_the_user_gave_and_what_holds(tmp_path, capsys):
+    """ga-train's own console, as a user sees it (a sweep job's directory named by its
+    overrides, a model with batch norm): the brackets of the path are printed, not read as
+    markup; batch norm under accumulation is said once, in ga-train's words, naming the exact
+    policy, and not as Python's warning; the tf32 line and result.json say what holds on this
+    machine; each epoch's line shows every metric logged."""
+    import re
+    import warnings
+
+    import gacli
+    from gacli.engine.tf32 import gpus_with_tf32, tf32_enabled, tf32_used
+
+    run_dir = str(tmp_path / "logger=[tensorboard,csv]" / "0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(
+            compose_config(
+                "model=cnn", "accum_steps=2", "epochs=1", "steps_per_epoch=2", "progress=plain"
+            ),
+            run_dir=run_dir,
+        )
+    output = capsys.readouterr().out
+    assert output.count(f"run directory: {run_dir}") == 2, output
+    assert not [w for w in caught if issubclass(w.category, gacli.BatchNormWarning)]
+    (advice,) = [line for line in output.splitlines() if line.startswith("batch norm: ")]
+    # Keras numbers layer names on within a process: the cnn's two are batch_normalization_<n>.
+    assert re.search(
+        r"2 BatchNormalization layers \(batch_normalization(_\d+)?, batch_norm", advice
+    )
+    assert "accum_steps=2" in advice and "batchnorm=freeze" in advice, advice
+    result = json.load(open(os.path.join(run_dir, "result.json")))
+    assert result["tf32"] is tf32_used(tf32_enabled())
+    if not gpus_with_tf32():
+        assert result["tf32"] is False
+        assert "tf32             auto (no effect: no GPU that uses TF32 is visible" in output
+    (epoch_line,) = [line for line in output.splitlines() if line.startswith("epoch 1/1")]
+    assert "accuracy" in epoch_line and "val_loss" in epoch_line, epoch_line
+
+
+def test_the_progress_bar_counts_the_runs_updates_beside_the_epoch_it_is_in():
+    """A run resumed in its second of three epochs: the bar's label is that epoch of three, and
+    its count says it is the run's updates, not the epoch's."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    from gacli.runner.config import Progress
+    from gacli.runner.console import ProgressCallback
+
+    counters = {"optimizer_step": 5, "micro_step": 20}
+    accumulator = types.SimpleNamespace(after_call=counters.get)
+    clock = types.SimpleNamespace(reading=lambda micro_step: (640, 2.0))
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, color_system=None, width=200)
+    bar = ProgressCallback(console, Progress.rich, None, accumulator, 12, 3, clock=clock)
+    bar.on_train_begin()
+    bar.on_epoch_begin(1)
+    bar.on_train_batch_end(0, {"loss": 1.0})
+    bar.close()
+    shown = [line for line in buffer.getvalue().split("\r") if "micro 20" in line][-1]
+    assert "epoch 2/3" in shown and "5/12 updates of the run" in shown, shown
+
+
+def test_progress_lines_show_every_metric_logged():
+    """The text recipe's val_perplexity, regression's rmse and a user's metric, beside the loss;
+    the engine's counts and a metric of several numbers are left to TensorBoard."""
+    from gacli.runner.console import _format_logs
+
+    logs = {
+        "loss": 1.5,
+        "rmse": 0.25,
+        "val_perplexity": np.float32(4.76),
+        "acc": 0.5,
+        "skipped_windows": 0,
+        "f1_score": np.array([0.5, 0.25]),
+    }
+    assert _format_logs(logs) == "loss 1.5  rmse 0.25  val_perplexity 4.76  acc 0.5"
+
+
 def test_train_puts_back_the_callers_precision_policy(tmp_path):
     """A notebook that set its own policy keeps it after a ga-train job trained in float32."""
     previous = keras.mixed_precision.global_policy()

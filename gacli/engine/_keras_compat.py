@@ -226,6 +226,16 @@ def without_own_clipping(optimizer):
             setattr(optimizer, name, value)
 
 
+# -- random state ---------------------------------------------------------------------------------
+def global_seed_generator():
+    """Keras' global ``SeedGenerator``, which ``keras.random`` functions called without ``seed=``
+    draw from; made now if it does not exist yet (Keras makes it at the first such draw, and
+    ``keras.utils.set_random_seed`` drops it)."""
+    from keras.src.random.seed_generator import global_seed_generator
+
+    return global_seed_generator()
+
+
 # -- tf.distribute --------------------------------------------------------------------------------
 def in_multi_worker_mode(strategy):
     """Whether a MultiWorkerMirroredStrategy really spans several processes."""

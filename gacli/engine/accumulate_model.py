@@ -29,12 +29,21 @@ from gacli.engine.batchnorm import (
 from gacli.engine.host_memory import HostMemoryCallback
 from gacli.engine.options import LossNormalization, NonFinite, Reduction
 from gacli.engine.settings import (
+    OLDER_SETTING_NAMES,
     AccumulationConfig,
+    keyword_names,
     pop_settings,
+    refuse_unknown_keywords,
     settings_as_attributes,
     shows_config_defaults,
     take_agc_alias,
 )
+
+# keras.Model's own keywords, those of any layer (name, trainable, dtype, ...), and a functional
+# model's graph ends. Keras' functional constructor passes over any other keyword without a word
+# (only a subclassed model's refuses one, with a ValueError), so the wrappers check them first.
+_LAYER_KEYWORDS = keyword_names(keras.layers.Layer.__init__)
+_GRAPH_KEYWORDS = ("inputs", "outputs")
 
 
 def _model_settings(config, mixed_precision=False, experimental_distributed_support=False, **given):
@@ -328,7 +337,7 @@ class AccumulationMixin(compat.KerasWorkarounds):
         if trainable_weights:
             gradients = tape.gradient(scaled_loss, trainable_weights)
             indices = accumulator.accumulate(
-                gradients, trainable_weights, sample_count=sample_count, summed=summed
+                gradients, trainable_weights, sample_count=sample_count, summed=summed, loss=loss
             )
         return loss, y_pred, indices
 
@@ -454,6 +463,11 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
         config=None,
         **kwargs,
     ):
+        refuse_unknown_keywords(
+            f"{type(self).__name__}()",
+            kwargs,
+            _accepted_keywords(GradientAccumulateModel, _GRAPH_KEYWORDS),
+        )
         settings = take_agc_alias(pop_settings(kwargs), use_agc)
         super().__init__(*args, **kwargs)
         self.accumulation_config = _model_settings(
@@ -501,6 +515,9 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
         config=None,
         **kwargs,
     ):
+        refuse_unknown_keywords(
+            f"{type(self).__name__}()", kwargs, _accepted_keywords(AccumulatingModelWrapper)
+        )
         settings = pop_settings(kwargs)
         super().__init__(**kwargs)
         self.model = model
@@ -536,6 +553,19 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
             config["model"], custom_objects=custom_objects
         )
         return cls(**config)
+
+
+def _accepted_keywords(wrapper, graph=()):
+    """What a model wrapper class takes by keyword: its own arguments, every accumulation
+    setting (and the older package's names of them), and keras.Model's (``graph``: a functional
+    model's too)."""
+    return (
+        *keyword_names(wrapper.__init__),
+        *AccumulationConfig.fields(),
+        *OLDER_SETTING_NAMES,
+        *_LAYER_KEYWORDS,
+        *graph,
+    )
 
 
 @shows_config_defaults
@@ -577,6 +607,15 @@ def wrap_model(model, accum_steps=None, config=None, **settings):
     Example:
         >>> model = wrap_model(keras.applications.ResNet50(weights=None), accum_steps=8)
     """
+    refuse_unknown_keywords(
+        "wrap_model()",
+        settings,
+        (
+            *keyword_names(wrap_model, _model_settings),
+            *AccumulationConfig.fields(),
+            *OLDER_SETTING_NAMES,
+        ),
+    )
     if isinstance(model, AccumulationMixin):
         raise ValueError("This model already accumulates gradients; set its accum_steps instead.")
     try:

@@ -26,8 +26,11 @@ import tensorflow as tf
 from gacli.engine import _keras_compat as compat
 from gacli.engine.options import LossNormalization, NonFinite, PartialWindow, Reduction
 from gacli.engine.settings import (
+    OLDER_SETTING_NAMES,
     AccumulationConfig,
+    keyword_names,
     pop_settings,
+    refuse_unknown_keywords,
     settings_as_attributes,
     shows_config_defaults,
     take_agc_alias,
@@ -214,10 +217,16 @@ def _check_arguments(kwargs, mixed_precision):
             "per update and belong to the inner optimizer, e.g. GradientAccumulateOptimizer("
             "keras.optimizers.AdamW(learning_rate=1e-3, weight_decay=0.01), accum_steps=4)."
         )
-    if kwargs:
-        raise TypeError(
-            f"GradientAccumulateOptimizer got unexpected arguments: {', '.join(sorted(kwargs))}."
-        )
+    refuse_unknown_keywords(
+        "GradientAccumulateOptimizer()",
+        kwargs,
+        (
+            *keyword_names(GradientAccumulateOptimizer.__init__),
+            *AccumulationConfig.fields(),
+            *OLDER_SETTING_NAMES,
+            *_CLIPPING,
+        ),
+    )
     if mixed_precision:
         raise ValueError(
             "mixed_precision=True no longer applies in Keras 3: set the policy before building "
@@ -546,11 +555,19 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             self.close_window(indices)
 
     def accumulate(
-        self, grads, trainable_variables=None, sample_count=None, summed=False, loss_divisor=None
+        self,
+        grads,
+        trainable_variables=None,
+        sample_count=None,
+        summed=False,
+        loss_divisor=None,
+        loss=None,
     ):
         """The first half of :meth:`apply` (same arguments): add the micro-batch to the window
-        and count it. Returns the indices of the variables that had gradients, for
-        :meth:`close_window` (None when there were no gradients)."""
+        and count it. ``loss``: the micro-batch's loss, where the caller has it; under
+        ``nonfinite`` a non-finite one is treated as a non-finite gradient. Returns the indices
+        of the variables that had gradients, for :meth:`close_window` (None when there were no
+        gradients)."""
         grads = list(grads)
         if not grads:
             return None
@@ -573,7 +590,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         values = list(gradients.values())
         measured = self._noise is not None and self._weighs(sample_count)
         squared, marked = self._shared_squared_norm(values, measured)
-        keep = self._guard.keep(values, squared, marked) if self._guard else None
+        keep = self._guard.keep(values, squared, marked, loss) if self._guard else None
         if measured:
             self._observe_noise(values, factor, sample_count, keep, squared)
         self._window.add(gradients, factor, keep)

@@ -15,6 +15,7 @@ from keras import ops
 
 from gacli.engine import _keras_compat as compat
 from gacli.engine.options import BatchNormPolicy, parse_option
+from gacli.engine.settings import keyword_names, refuse_unknown_keywords
 
 
 @keras.saving.register_keras_serializable(package="gacli")
@@ -34,6 +35,21 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     def __init__(self, accum_steps=1, **kwargs):
         from gacli.engine.accumulation import validate_accum_steps
 
+        # Keras' own refusal of an unknown keyword is a ValueError that names no near one.
+        refuse_unknown_keywords(
+            f"{type(self).__name__}()",
+            kwargs,
+            (
+                *keyword_names(
+                    AccumBatchNormalization.__init__,
+                    keras.layers.BatchNormalization.__init__,
+                    keras.layers.Layer.__init__,
+                ),
+                # Any layer takes these two too, with a warning to use keras.Input instead.
+                "input_shape",
+                "input_dim",
+            ),
+        )
         if kwargs.get("renorm"):
             raise ValueError(
                 "AccumBatchNormalization does not support renorm=True (batch renormalisation "

@@ -55,7 +55,7 @@ from gacli.engine.options import (
     Reduction,
     parse_option,
 )
-from gacli.engine.settings import AccumulationConfig
+from gacli.engine.settings import AccumulationConfig, refuse_unknown_keywords
 
 # The contract's tolerances (docs/contract.md, E1): float32 round-off after one update. Adaptive
 # optimizers divide by the root of the second moment, which magnifies round-off.
@@ -351,12 +351,11 @@ def check_equivalence(model, x=None, y=None, **settings):
         >>> result = gacli.check_equivalence(model, x, y, accum_steps=4, micro_batch_size=16)
         >>> print(result)
     """
-    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(EquivalenceSettings)})
-    if unknown:
-        raise TypeError(
-            f"check_equivalence() got unknown settings {unknown}; it takes "
-            f"{[f.name for f in dataclasses.fields(EquivalenceSettings)]}."
-        )
+    refuse_unknown_keywords(
+        "check_equivalence()",
+        settings,
+        ("model", "x", "y", *(f.name for f in dataclasses.fields(EquivalenceSettings))),
+    )
     return EquivalenceCheck(model, x, y, EquivalenceSettings(**settings)).run()
 
 
@@ -1070,9 +1069,45 @@ def _is_batched(dataset):
 
 # -- copies and state ---------------------------------------------------------------------------
 def _clone(model):
-    """A new model of the same layers (same names and config), fresh uncompiled weights."""
+    """A new model of the same layers (same names and config), fresh uncompiled weights; a layer
+    that is shared stays one layer in the copy (:class:`_SharedLayersKept`)."""
     with compat.compile_state_hidden(model):
+        if compat.is_functional(model):
+            return keras.models.clone_model(model, clone_function=_SharedLayersKept(model))
         return keras.models.clone_model(model)
+
+
+class _SharedLayersKept:
+    """``clone_model``'s ``clone_function`` that keeps a layer used both inside a nested model and
+    in the graph around it one layer in the copy. ``clone_model`` copies each layer of the graph
+    from its config, the nested model whole, so such a layer would be copied twice, each copy
+    with weights of its own: KerasHub's ``GPT2CausalLM`` calls its backbone's token embedding
+    again for the logits (tied weights), and its copy would have the embedding twice, untied.
+    Here that layer's copy is the nested model's copy's own layer, found at the same place among
+    its layers."""
+
+    def __init__(self, model):
+        self._copies = {}
+        # Each layer nested in one of the graph's layers, with that layer and its place there.
+        self._nested_in = {}
+        for outer in model.layers:
+            for place, inner in enumerate(compat.sublayers(outer)):
+                self._nested_in.setdefault(id(inner), (outer, place))
+
+    def __call__(self, layer):
+        if id(layer) not in self._copies:
+            self._copies[id(layer)] = self._copy(layer)
+        return self._copies[id(layer)]
+
+    def _copy(self, layer):
+        outer, place = self._nested_in.get(id(layer), (None, None))
+        if outer is not None and outer is not layer:
+            inside = compat.sublayers(self(outer))
+            if place < len(inside):
+                copy = inside[place]
+                if type(copy) is type(layer) and copy.name == layer.name:
+                    return copy
+        return layer.__class__.from_config(layer.get_config())
 
 
 def _copy_optimizer(optimizer):
@@ -1091,6 +1126,7 @@ class _Start:
     weights: list
     seeds: list
     optimizer_state: list
+    paths: list = None
 
     @classmethod
     def of(cls, model, optimizer):
@@ -1101,10 +1137,13 @@ class _Start:
         state = []
         if optimizer is not None and optimizer.built:
             state = [variable.numpy() for variable in optimizer.variables]
-        return cls([w.numpy() for w in model.weights], seeds, state)
+        weights = model.weights
+        return cls([w.numpy() for w in weights], seeds, state, [w.path for w in weights])
 
     def put_weights(self, model):
-        for variable, value in zip(_matching_weights(model, self.weights), self.weights):
+        for variable, value in zip(
+            _matching_weights(model, self.weights, self.paths), self.weights
+        ):
             variable.assign(value)
         for layer, states in zip(compat.sublayers(model), self.seeds):
             for generator, state in zip(_seed_generators(layer), states):
@@ -1123,10 +1162,11 @@ class _Start:
             variable.assign(value)
 
 
-def _matching_weights(model, values):
+def _matching_weights(model, values, paths=None):
+    """The weights of ``model`` (a copy) that take ``values`` (the model's, with their ``paths``),
+    in their order: by path where every path is there once on both sides, else (a subclassed
+    model's copy names its layers afresh) by position, where the shapes agree."""
     weights = model.weights
-    if [tuple(w.shape) for w in weights] == [v.shape for v in values]:
-        return weights
     # batchnorm=accumulate's layers hold window accumulators after the weights they carry over.
     window_state = {
         id(variable)
@@ -1138,10 +1178,56 @@ def _matching_weights(model, values):
             layer.window_position,
         )
     }
-    matched = [w for w in weights if id(w) not in window_state]
-    if [tuple(w.shape) for w in matched] != [v.shape for v in values]:
-        raise EquivalenceInputError("the model's copy does not have the model's weights.")
-    return matched
+    carried = [w for w in weights if id(w) not in window_state]
+    shapes = [v.shape for v in values]
+    distinct = paths is not None and len(set(paths)) == len(paths)
+    for candidates in (weights, carried):
+        by_path = {w.path: w for w in candidates}
+        if distinct and len(by_path) == len(candidates) and set(by_path) == set(paths):
+            matched = [by_path[path] for path in paths]
+            if [tuple(w.shape) for w in matched] == shapes:
+                return matched
+        if [tuple(w.shape) for w in candidates] == shapes:
+            return candidates
+    raise EquivalenceInputError(_copy_mismatch(carried, values, paths))
+
+
+def _copy_mismatch(copied, values, paths):
+    """What to do when the check's copy of the model does not have the model's weights."""
+    found = [w.path for w in copied]
+    if len(copied) != len(values):
+        what = f"has {len(copied)} weights against the model's {len(values)}"
+        details = []
+        if paths is not None:
+            for kind, names in (
+                ("more often in the copy", [p for p in found if found.count(p) > paths.count(p)]),
+                ("missing from the copy", [p for p in paths if paths.count(p) > found.count(p)]),
+            ):
+                if names:
+                    details.append(f"{kind}: {_listed(list(dict.fromkeys(names)))}")
+    else:
+        what = "has weights of other shapes than the model's"
+        details = [
+            f"{path} is {tuple(w.shape)} in the copy, {v.shape} in the model"
+            for w, path, v in zip(copied, paths or found, values)
+            if tuple(w.shape) != v.shape
+        ]
+        details = [_listed(details)] if details else []
+    detail = f" ({'; '.join(details)})" if details else ""
+    return (
+        f"the check trains copies of the model, and its copy {what}{detail}. The copy is made "
+        "with keras.models.clone_model, which builds each layer again from its get_config(): a "
+        "layer whose get_config() leaves out an argument that shapes its weights (units, a "
+        "vocabulary size), or that builds weights it does not need, is copied otherwise. Give "
+        "each of your layers (and a subclassed model) a get_config() that returns every "
+        "argument of its __init__, and a from_config() where an argument is a layer or a "
+        "model, then check again."
+    )
+
+
+def _listed(names, shown=4):
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{', '.join(names[:shown])}{more}"
 
 
 def _seed_generators(layer):

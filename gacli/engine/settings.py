@@ -6,6 +6,7 @@ and ``from_config`` reads it back. No TensorFlow import here.
 """
 
 import dataclasses
+import difflib
 import inspect
 import numbers
 
@@ -156,13 +157,8 @@ class AccumulationConfig:
     @classmethod
     def from_kwargs(cls, config=None, **settings):
         """``config`` (an AccumulationConfig or its dict) with ``settings`` set on top; unknown
-        names raise a TypeError that lists the known ones."""
-        unknown = sorted(set(settings) - set(cls.fields()))
-        if unknown:
-            raise TypeError(
-                f"unknown accumulation settings {', '.join(unknown)}; the settings are "
-                f"{', '.join(cls.fields())}."
-            )
+        names raise a TypeError that names the nearest setting and lists them all."""
+        refuse_unknown_keywords("AccumulationConfig", settings, cls.fields())
         if config is None:
             return cls(**settings)
         if isinstance(config, dict):
@@ -178,6 +174,7 @@ class AccumulationConfig:
         )
 
     def replace(self, **settings):
+        refuse_unknown_keywords("AccumulationConfig.replace()", settings, self.fields())
         return dataclasses.replace(self, **settings)
 
     def for_policy(self, policy_name):
@@ -198,6 +195,43 @@ class AccumulationConfig:
             name: getattr(value, "value", value)
             for name, value in ((name, getattr(self, name)) for name in self.fields())
         }
+
+
+# gradient-accumulator's name of a setting, beside AccumulationConfig's own (its README writes
+# GradientAccumulateModel(accum_steps=4, agc=True, ...)).
+OLDER_SETTING_NAMES = ("agc",)
+
+
+def keyword_names(*functions):
+    """The names ``functions`` take by keyword (their ``**kwargs`` aside), in order, once each."""
+    names = {}
+    for function in functions:
+        for parameter in inspect.signature(function).parameters.values():
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+                names.setdefault(parameter.name)
+    names.pop("self", None)
+    return tuple(names)
+
+
+def refuse_unknown_keywords(called, given, accepted):
+    """Raise a TypeError, as Python does for a keyword a function does not take, when ``given``
+    (keyword arguments, or their names) holds a name not in ``accepted``: it names each such
+    keyword with the accepted name nearest to it, and lists the accepted ones. ``called``: what
+    was called, as the user wrote it (``"wrap_model()"``). A constructor that forwards
+    ``**kwargs`` would otherwise take a misspelt setting (``use_acg=True``) and do nothing."""
+    accepted = tuple(dict.fromkeys(accepted))
+    unknown = [name for name in given if name not in accepted]
+    if not unknown:
+        return
+    named = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, accepted, n=1)
+        named.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    plural = "s" if len(unknown) > 1 else ""
+    raise TypeError(
+        f"{called} got an unexpected keyword argument{plural} {', '.join(named)}. It takes "
+        f"{', '.join(sorted(accepted))}."
+    )
 
 
 def take_agc_alias(settings, agc):

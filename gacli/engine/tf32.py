@@ -58,15 +58,24 @@ def gpus_with_tf32():
     return names
 
 
-def tf32_description(enabled):
-    """One line for a start-up panel or a report: the state and whether it matters here."""
+def tf32_used(enabled):
+    """Whether float32 products run in TF32: the setting ``enabled`` (:func:`tf32_enabled`) on
+    and a visible GPU that has TF32. On a CPU, or on GPUs before Ampere, never."""
+    return bool(enabled) and bool(gpus_with_tf32())
+
+
+def tf32_description(enabled, mode=None):
+    """One line for a start-up panel or a report: the state and whether it matters here;
+    ``mode``, the ``tf32=`` chosen (a :class:`TF32` or its name), leads it when given."""
     gpus = gpus_with_tf32()
-    state = "on" if enabled else "off"
+    mode = None if mode is None else TF32(mode).value
     if not gpus:
-        return f"{state} (no GPU that uses TF32 is visible: float32 products are exact float32)"
+        effect = "no effect: no GPU that uses TF32 is visible; float32 products are exact float32"
+        return effect if mode is None else f"{mode} ({effect})"
+    lead = "" if mode is None else f"{mode}: "
     if enabled:
         return (
-            f"on: float32 products on {gpus[0]} round inputs to 10 mantissa bits "
+            f"{lead}on: float32 products on {gpus[0]} round inputs to 10 mantissa bits "
             "(tf32=off for float32 exactness)"
         )
-    return f"off: float32 products on {gpus[0]} are exact float32"
+    return f"{lead}off: float32 products on {gpus[0]} are exact float32"

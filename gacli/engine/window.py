@@ -507,12 +507,16 @@ class NonFiniteGuard:
         if self.policy is NonFinite.stop:
             self.halted_at = add_state("halted_at_micro_step", dtype="int64")
 
-    def keep(self, gradients, squared=None, marked=False):
+    def keep(self, gradients, squared=None, marked=False, loss=None):
         """A boolean tensor: the micro-batch's gradients are all finite (and, under ``stop``,
         training has not halted: every micro-batch after the first bad one is left out).
         ``squared``: their squared norm, where it is computed for this test or the noise
-        scale, ``marked`` as :func:`squared_norm` made it (:func:`all_finite`)."""
+        scale, ``marked`` as :func:`squared_norm` made it (:func:`all_finite`). ``loss``: the
+        micro-batch's loss, where known, which must be finite too: a loss that overflowed (a
+        squared error of targets near 1e30) can still have finite gradients."""
         finite = all_finite(gradients, squared, marked)
+        if loss is not None:
+            finite = tf.logical_and(finite, tf.reduce_all(tf.math.is_finite(loss)))
         if self.policy is NonFinite.stop:
             finite = tf.logical_and(finite, _value(self.halted_at) == 0)
         return finite

@@ -62,9 +62,10 @@ finished probe=batch or check=equivalence run says so), prints one row a run, an
 report.md, report.json and PNG plots (validation against samples seen, speed and memory against
 the swept setting, loss against wall time) into the one folder given, or --out.
 The best value of each column is marked: lower is better for losses, wall time and memory,
-higher for samples/s and other metrics. The terminal shows the columns that fit its width; the
-files have them all. A run that cannot be read is named with the reason and left out. Files of
-those names that ga-report did not write are never replaced (give another --out).
+higher for samples/s and other metrics; a loss only among runs of one loss. The terminal shows
+the columns that fit its width; the files have them all. A run that cannot be read is named
+with the reason and left out. Files of those names that ga-report did not write are never
+replaced (give another --out).
 """
 
 
@@ -147,6 +148,7 @@ def make_rows(runs, root):
         row.update(record(run))
         row.update(path=run.path, command=run.command, status_text=run.status_text())
         row["status_short"] = run.status_text(short=True)
+        row["loss_function"] = run.loss_function
         rows.append(row)
     metrics = set().union(*(metric_names(run) for run in runs))
     return rows, build_columns(rows, swept, metrics), swept
@@ -188,6 +190,27 @@ def best_values(rows, columns):
         if column.better and len(set(values)) > 1:
             best[column.key] = min(values) if column.better == "lower" else max(values)
     return best
+
+
+LOSS_COLUMNS = ("train_loss", "train_loss_best", "val_loss", "val_loss_best")
+
+
+def unlike_losses(rows):
+    """Why no loss is marked best, where the runs' losses are of different kinds (a
+    cross-entropy against a squared error: their values do not compare); else None."""
+    kinds = {}
+    for row in rows:
+        kinds.setdefault(row.get("loss_function"), []).append(str(row["run"]))
+    if len(kinds) < 2:
+        return None
+    listed = "; ".join(
+        f"{kind or 'not recorded'} in {', '.join(runs)}" for kind, runs in kinds.items()
+    )
+    return (
+        f"no best train or val loss is marked: the runs trained different losses ({listed}), "
+        "and a loss of one kind does not compare with another's. Report runs of one loss "
+        "together (give ga-report their folders)."
+    )
 
 
 def is_best(best, column, row):
@@ -304,9 +327,9 @@ class Table(typing.NamedTuple):
     best: dict
 
 
-def markdown(table, paths, plots, skipped=(), memory_note=None):
+def markdown(table, paths, plots, skipped=(), memory_note=None, loss_note=None):
     """``report.md``: the table (best values in bold), each run's command, the plots, the runs
-    left out; its first line marks it as ga-report's."""
+    left out; its first line marks it as ga-report's. ``loss_note``: why no loss is in bold."""
     rows, columns, best = table
     shown = [column for column in columns if column.shown]
 
@@ -326,6 +349,8 @@ def markdown(table, paths, plots, skipped=(), memory_note=None):
         "|" + "|".join("---" if column.kind == "text" else "---:" for column in shown) + "|",
     ]
     lines += ["| " + " | ".join(cell(column, row) for column in shown) + " |" for row in rows]
+    if loss_note:
+        lines += ["", f"Losses: {loss_note}"]
     if memory_note:
         lines += ["", f"Peak memory: {memory_note}."]
     lines += ["", "## Commands", ""]
@@ -339,9 +364,10 @@ def markdown(table, paths, plots, skipped=(), memory_note=None):
     return "\n".join(lines) + "\n"
 
 
-def report_json(table, swept, paths, skipped=(), shared=None):
-    """``report.json``: the rows' values (numbers as the runs hold them), the columns, the best,
-    the runs left out, whether runs shared one process (None: not recorded)."""
+def report_json(table, swept, paths, skipped=(), shared=None, loss_note=None):
+    """``report.json``: the rows' values (numbers as the runs hold them), the columns, the best
+    (and why no loss has one, where the runs' losses differ), the runs left out, whether runs
+    shared one process (None: not recorded)."""
     rows, columns, best = table
     from gacli.rundir import strict_json
 
@@ -356,6 +382,7 @@ def report_json(table, swept, paths, skipped=(), shared=None):
                 for c in columns
             ],
             "best": best,
+            "no_best_loss": loss_note,
             "runs": [{key: value for key, value in row.items()} for row in rows],
             "skipped": [dataclasses.asdict(place) for place in skipped],
             "runs_shared_one_process": shared,
@@ -409,6 +436,10 @@ def run_report(paths, sort=None, out=None, plots=True, console=None):
     rows, columns, swept = make_rows(runs, out)
     rows = sort_rows(rows, columns, sort, swept)
     best = best_values(rows, columns)
+    loss_note = unlike_losses(rows)
+    if loss_note:
+        for key in LOSS_COLUMNS:
+            best.pop(key, None)
     memory = any(row.get(k) for row in rows for k in ("host_peak_rss_bytes", "device_peak_bytes"))
     shared = shared_process(runs) if len(runs) > 1 and memory else False
     title = f"ga-report: {len(rows)} runs, sorted by {sort or ', '.join(swept) or 'run'}"
@@ -417,6 +448,8 @@ def run_report(paths, sort=None, out=None, plots=True, console=None):
         console.print(table)
         if hidden:
             console.print(f"also in report.md and report.json: {', '.join(hidden)}")
+        if loss_note:
+            console.print(loss_note, markup=False, soft_wrap=True)
     _writable(out)
     written = []
     if plots:
@@ -424,12 +457,12 @@ def run_report(paths, sort=None, out=None, plots=True, console=None):
 
         written = write_plots(runs, rows, swept, out, SHARED_PROCESS_NOTE.get(shared))
     results = Table(rows, columns, best)
-    data = report_json(results, swept, paths, skipped, shared)
+    data = report_json(results, swept, paths, skipped, shared, loss_note)
     write_atomically(
         os.path.join(out, "report.json"),
         lambda handle: json.dump(data, handle, indent=2, allow_nan=False),
     )
-    text = markdown(results, paths, written, skipped, SHARED_PROCESS_NOTE.get(shared))
+    text = markdown(results, paths, written, skipped, SHARED_PROCESS_NOTE.get(shared), loss_note)
     write_atomically(os.path.join(out, "report.md"), lambda handle: handle.write(text))
     if console is not None:
         left_out = f"; {len(skipped)} left out (named above)" if skipped else ""
@@ -489,9 +522,11 @@ def _writable(folder):
 def _console():
     from rich.console import Console
 
+    # No markup: the runs' paths and commands hold brackets (logger=[tensorboard,csv]).
     if sys.stdout.isatty() or "COLUMNS" in os.environ:
-        return Console(highlight=False)
-    return Console(highlight=False, width=240)  # a log file: the whole row on one line
+        return Console(highlight=False, markup=False)
+    # A log file: the whole row on one line.
+    return Console(highlight=False, markup=False, width=240)
 
 
 def main(argv=None):

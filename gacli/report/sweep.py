@@ -59,6 +59,8 @@ _NOT_METRICS = {
     "samples_seen",
     "gradient_noise_scale",
     "weights_sha256",
+    "weights_epoch",
+    "weights_optimizer_step",
     "host_peak_rss_bytes",
     "device_peak_bytes",
     "skipped_micro_batches",
@@ -339,6 +341,8 @@ class Run:
             and finished (its ``probe.json`` or ``equivalence.json`` written), else None.
         outcome: that record.
         live: the lock file's first line while another process runs in the directory, else None.
+        loss_function: what its loss is (:func:`loss_function`): runs whose losses differ have
+            no best loss between them.
     """
 
     path: str
@@ -353,6 +357,7 @@ class Run:
     finished_as: str = None
     outcome: dict = None
     live: str = None
+    loss_function: str = None
 
     @property
     def status(self):
@@ -497,8 +502,9 @@ def read_run_dir(path):
         result=result,
         failure=_load_json(path, FAILURE_FILE),
         events=events,
-        command=_command(launched, listed),
+        command=_command(launched, listed, resolved.get("pythonpath")),
         settings=frozenset(config),
+        loss_function=loss_function(config),
         processes=frozenset(_event_processes(events.files) + holder),
         finished_as=finished_as,
         outcome=outcome,
@@ -506,6 +512,26 @@ def read_run_dir(path):
     )
     metric_names(run)  # DamagedRun when a metric of result.json is not a number
     return run
+
+
+def loss_function(config):
+    """What the run's loss is, from its ``resolved.yaml`` (``config``): the name of the loss
+    it trained with (``resolved.loss``); for a run that did not record it, the ``loss._target_``
+    it was given, else the task or the data its loss was chosen for; None where the file says
+    none of these."""
+    named = (config.get("resolved") or {}).get("loss")
+    if isinstance(named, str):
+        return named
+    own, dataset = config.get("loss"), config.get("dataset")
+    if isinstance(own, dict) and own.get("_target_"):
+        return str(own["_target_"])
+    if isinstance(dataset, dict):
+        if dataset.get("task") not in (None, "auto"):
+            return f"the {dataset['task']} task's"
+        source = dataset.get("_target_") or dataset.get("name")
+        if source:
+            return f"the one for {source}"
+    return None
 
 
 _LOCK_HOLDER = re.compile(r"^ga-train, pid (\d+) on (\S+), started ")
@@ -549,18 +575,22 @@ def shared_process(runs):
     return None if any(not run.processes for run in runs) else False
 
 
-def _command(launched, overrides):
+def _command(launched, overrides, pythonpath=None):
     """``ga-train config=<recipe or file> <overrides>``: the run's job as one command.
 
     The ``config=`` argument is taken from the command in the run's lock file (as typed: a shipped
-    recipe or a path); a sweep's ``-m a=1,2`` becomes this job's own values.
+    recipe or a path); a sweep's ``-m a=1,2`` becomes this job's own values. ``pythonpath``: the
+    folders the job imported the user's modules from (``resolved.yaml``), set before it.
     """
     config = [word for word in launched if word.startswith("config=")]
     words = config[-1:] or [
         f"config={o.split('=', 1)[1]}" for o in overrides if o.startswith("config=")
     ]
     words += [str(o) for o in overrides if not str(o).startswith(("config=",) + _NOT_SWEPT)]
-    return shlex.join(["ga-train", *words])
+    command = shlex.join(["ga-train", *words])
+    if isinstance(pythonpath, str) and pythonpath:
+        command = f"PYTHONPATH={shlex.quote(pythonpath)} {command}"
+    return command
 
 
 def metric_names(run):

@@ -10,6 +10,7 @@ import keras
 import tensorflow as tf
 from omegaconf import OmegaConf
 
+from gacli.engine import _keras_compat as compat
 from gacli.engine.accumulate_model import (
     wrap_model,
 )
@@ -36,7 +37,7 @@ from gacli.runner.faults import install_fake_oom
 from gacli.runner.models import build_model
 from gacli.runner.objective import check_metric, metric_name
 from gacli.runner.optimizers import build_optimizer, learning_rate_schedule
-from gacli.runner.targets import build_loss, build_metrics
+from gacli.runner.targets import build_loss, build_metrics, own_parts
 
 # ga-train's one default that differs from the library's (docs/getting-started.md, "Options"):
 # without loss scaling a non-finite gradient stops the run, so that a nan never reaches the weights
@@ -144,6 +145,19 @@ def check_fits(model, data, own_loss=False):
         )
     if own_loss:
         return
+    if data.task == "classification" and not _fits_labels(output, data.label_shape):
+        wanted = (*data.label_shape, data.num_outputs)
+        raise ConfigError(
+            f"the model predicts outputs of shape {output} a sample, but the data's class labels "
+            f"are of shape {tuple(data.label_shape)} a sample, so it must predict {wanted}: one"
+            + (
+                " logit per class and label; build the model to predict that"
+                if data.label_shape
+                else " logit per class; end the model in a layer that drops the other axes (e.g. "
+                "keras.layers.GlobalAveragePooling2D() or Flatten() before its last Dense)"
+            )
+            + ", or give it a loss of its own (loss._target_=...) for what it predicts."
+        )
     if data.task == "classification" and output[-1] != data.num_outputs:
         raise ConfigError(
             f"the model has {output[-1]} outputs but the data has {data.num_outputs} classes; "
@@ -161,6 +175,55 @@ def check_fits(model, data, own_loss=False):
             f"the model predicts masks of shape {output} but the data's masks are "
             f"{tuple(data.label_shape)}; give masks of the image's height and width."
         )
+
+
+def check_trainable(model, model_cfg, policy):
+    """A clear error, before training, for a model that training cannot change (no trainable
+    weights) or could not change safely: layers that compute in float16 under a policy without
+    loss scaling, where gradients below float16's smallest number (6e-8) underflow to 0 and large
+    ones overflow."""
+    name = shown_name(model_cfg)
+    if not model.trainable_weights:
+        if model.weights:
+            raise ConfigError(
+                f"the model ({name}) has {len(model.weights)} weights but none of them is "
+                "trainable (model.trainable = False, or every layer frozen), so no update could "
+                "change it and the run would train nothing. Set model.trainable = True, or the "
+                "layers to train trainable, where the model is built."
+            )
+        raise ConfigError(
+            f"the model ({name}) has no weights, so training cannot change it and the run would "
+            "train nothing. Give it layers with weights (e.g. keras.layers.Dense)."
+        )
+    if policy == Policy.mixed_float16:
+        return
+    half = [
+        layer.name
+        for layer in compat.sublayers(model, include_self=True)
+        if layer.compute_dtype == "float16"
+    ]
+    if half:
+        shown = ", ".join(half[:3]) + (f" and {len(half) - 3} more" if len(half) > 3 else "")
+        raise ConfigError(
+            f"the model ({name}) computes in float16 ({len(half)} of its layers: {shown}), but "
+            f"precision={policy.value} trains without loss scaling, and in float16 small "
+            "gradients become 0 and large ones inf. Add precision=mixed_float16, which scales the "
+            "loss, or build the model in float32 (without "
+            "keras.mixed_precision.set_global_policy('mixed_float16') or dtype='mixed_float16')."
+        )
+
+
+def _fits_labels(output, label_shape):
+    """Whether a classifier's output shape (no batch axis) holds one logit per class for each
+    label of ``label_shape``; a trailing label axis of 1 is squeezed away, as Keras' sparse
+    cross-entropy does."""
+    shapes = [tuple(label_shape)]
+    if shapes[0][-1:] == (1,):
+        shapes.append(shapes[0][:-1])
+    return any(
+        len(output) == len(shape) + 1 and all(o in (None, d) for o, d in zip(output, shape))
+        for shape in shapes
+    )
 
 
 def _nonfinite_policy(precision):
@@ -189,6 +252,28 @@ def accumulation_config(cfg, plan):
     )
 
 
+def batchnorm_warning(policy, accum_steps, layers):
+    """What :class:`gacli.BatchNormWarning` says, in ``ga-train``'s words: printed once after the
+    start-up panel when the BatchNormalization ``layers`` train on micro-batch statistics (the
+    ``keep`` policy, ``accum_steps`` > 1); None when they do not. Its advice follows the measured
+    comparison of the policies in docs/guides/batch-norm.md."""
+    if policy != BatchNormPolicy.keep or accum_steps <= 1 or not layers:
+        return None
+    names = ", ".join(layer.name for layer in layers[:3]) + (
+        f" and {len(layers) - 3} more" if len(layers) > 3 else ""
+    )
+    return (
+        f"batch norm: {len(layers)} BatchNormalization layer{'s' if len(layers) > 1 else ''} "
+        f"({names}) normalise each micro-batch by its own statistics, so with accum_steps="
+        f"{accum_steps} the weights are not those of one big batch (every other part of the "
+        "update is). batchnorm=freeze (inference mode, for fine-tuning) or batchnorm=group_norm "
+        "(GroupNormalization in their place) make the update exact; batchnorm=precise trains as "
+        "now and recomputes the moving statistics before each validation (the best validation "
+        "of the policies measured in the batch-norm guide); batchnorm=accumulate gives the big "
+        "batch's moving statistics, which take thousands of updates to settle."
+    )
+
+
 @dataclasses.dataclass
 class Job:
     """The built parts of a job: the compiled model and what the panel says about them."""
@@ -201,6 +286,10 @@ class Job:
     learning_rate: float
     fault: object = None  # GACLI_FAKE_OOM_ABOVE's callback (gacli.runner.faults), when set
     scaled_rate: ScaledLearningRate | None = None  # accum_schedule: the stage's learning rate
+    batchnorm_warning: str | None = None  # printed after the panel (batchnorm_warning())
+    # (config key, object) of each part a _target_ of the user's built: what raised names it
+    # (gacli.runner.targets.raised_by)
+    own: tuple = ()
 
     def facts(self, cfg, plan, data, steps, strategy):
         """The start-up panel's lines."""
@@ -217,10 +306,10 @@ class Job:
             "compiled calls": f"{steps.steps_per_execution} micro-batches each "
             "(steps_per_execution)",
             "precision": cfg.precision.policy.value,
-            "tf32": f"{cfg.tf32.value}: {tf32_description(tf32_enabled())}",
+            "tf32": tf32_description(tf32_enabled(), cfg.tf32),
             "batch norm": f"{cfg.batchnorm.value} ({layers} layer{'s' if layers != 1 else ''}"
             + (
-                "; statistics per micro-batch, batchnorm=precise recomputes them"
+                "; statistics per micro-batch, not the big batch's: see below"
                 if cfg.batchnorm == BatchNormPolicy.keep and plan.accum_steps > 1 and layers
                 else ""
             )
@@ -254,8 +343,11 @@ def build_job(cfg, plan, data, steps, strategy):
         keras.utils.set_random_seed(cfg.seed)
         model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
         check_fits(model, data, own_loss=OmegaConf.select(cfg, "loss._target_") is not None)
-        batchnorm_layers = len(plain_batchnorm_layers(model))
+        own = own_parts(cfg, model, loss, metrics)
+        batchnorm = plain_batchnorm_layers(model)
+        training = [layer for layer in batchnorm if layer.trainable]  # frozen ones: inference
         model = apply_batchnorm_policy(model, cfg.batchnorm.value, plan.accum_steps, warn=False)
+        check_trainable(model, cfg.model, cfg.precision.policy)
         rate = learning_rate_schedule(cfg.optimizer, plan.effective_batch_size, steps.total_updates)
         scaled_rate = ScaledLearningRate(rate) if cfg.get("accum_schedule") is not None else None
         inner = build_optimizer(
@@ -263,7 +355,7 @@ def build_job(cfg, plan, data, steps, strategy):
         )
         model, optimizer = _with_accumulation(model, inner, wrapper, settings)
         with warnings.catch_warnings():
-            # The start-up panel's batch norm line says it, with the batchnorm= to choose.
+            # Said in ga-train's words instead: Job.batchnorm_warning, after the start-up panel.
             warnings.simplefilter("ignore", BatchNormWarning)
             model.compile(
                 optimizer=optimizer,
@@ -284,10 +376,12 @@ def build_job(cfg, plan, data, steps, strategy):
         accumulator,
         wrapper,
         reason,
-        batchnorm_layers,
+        len(batchnorm),
         float(inner.learning_rate.numpy()),
         fault,
         scaled_rate,
+        batchnorm_warning(cfg.batchnorm, plan.accum_steps, training),
+        own=own,
     )
 
 

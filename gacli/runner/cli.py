@@ -12,7 +12,6 @@ import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
-from importlib import metadata, resources
 
 from gacli import rundir
 from gacli.errors import (
@@ -24,15 +23,10 @@ from gacli.errors import (
     TrainingFailed,
 )
 from gacli.runner import overrides as command_line
-from gacli.runner.config import GROUPS
-from gacli.runner.resume import (
-    AlreadyFinished,
-    resolve_resume,
-    resume_after_requeue,
-    resume_requeued_job,
-    same_command,
-)
-from gacli.runner.validate import check_tolerance_argument
+
+# The rest of gacli.runner (OmegaConf, the config schema) is imported where it is used: main
+# installs its signal handler before anything slow, so that a signal in the first moments says
+# what became of the run too.
 
 _RUN_DIR = "outputs/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
 _SWEEP_DIR = "multirun/${config}/${now:%Y-%m-%d_%H-%M-%S-%f}"
@@ -72,6 +66,8 @@ launcher and sweeper plugins (pip install "gacli[slurm]"):
 
 
 def _names(package, group=None, suffix=".yaml"):
+    from importlib import resources
+
     root = resources.files(package)
     folder = root / group if group else root
     return sorted(
@@ -85,6 +81,8 @@ def _error(message):
 
 
 def _versions():
+    from importlib import metadata
+
     def version(name):
         try:
             return metadata.version(name)
@@ -166,6 +164,9 @@ class _Launch:
     searching: bool = False  # under a sweeper that optimises (Optuna): failed trials end at 0
     failures: list = field(default_factory=list)  # _Failure of each job that ended early here
     sweep_dir: str = None  # a multirun's hydra.sweep.dir
+    # hydra.output_subdir=... as given: the job writes Hydra's record itself (_hold_back_record)
+    record_subdir: list = field(default_factory=list)
+    record: tuple = None  # (folder, {file name: YAML}) of the job that runs here (_job_record)
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,8 @@ def _check_run_dirs(options, assignments, launch):
             rundir.check_ours(run_dir)  # before the lock file is made
     rundir.check_writable(rundir.nearest_existing(run_dir), "the run directory's parent,")
     if chief:
-        rundir.lock(run_dir, launch.command)  # first: a live run is "in use", not "unfinished"
+        # First: a live run is "in use", not "unfinished"; a refused command writes nothing there.
+        rundir.lock(run_dir, launch.command, resume)
     rundir.check_usable(run_dir, resume)
     if chief and not resume and rundir.started_but_never_saved(run_dir):
         _start_again_in(run_dir, assignments)
@@ -216,6 +218,8 @@ def _check_run_dirs(options, assignments, launch):
 def _start_again_in(run_dir, assignments):
     """A directory whose run stopped before its first checkpoint: the same command starts again
     in it, clean; another command is refused (its files would mix with the earlier start's)."""
+    from gacli.runner.resume import same_command
+
     if not same_command(
         run_dir, [a for a in assignments if not command_line.key(a).startswith("hydra")]
     ):
@@ -229,14 +233,16 @@ def _start_again_in(run_dir, assignments):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--version" in argv:
-        print(_versions())
-        return 0
-    if "--hydra-help" in argv:
-        print(_HYDRA_HELP)
-        return 0
     launch = _Launch(command=" ".join(["ga-train", *argv]))
-    with _stop_before_training(launch):
+    with _stop_before_training(launch):  # first: a signal from the first moment is answered
+        if "--version" in argv:
+            print(_versions())
+            return 0
+        if "--hydra-help" in argv:
+            print(_HYDRA_HELP)
+            return 0
+        from gacli.runner.resume import AlreadyFinished
+
         try:
             checked = _check_command_line(argv, launch)
         except ConfigError as error:
@@ -303,6 +309,10 @@ def _stopped(number, launch):
 def _check_command_line(argv, launch):
     """Everything checked before Hydra starts: the config file, the overrides, the run
     directories. Returns a :class:`_Command`, or None after printing --help."""
+    from gacli.runner.config import GROUPS
+    from gacli.runner.resume import resolve_resume, resume_after_requeue
+    from gacli.runner.validate import check_tolerance_argument
+
     config, overrides = _split_config_argument(argv)
     config_path, config_name, label = locate_config(config)
     if any(flag in overrides for flag in ("--help", "-h")):
@@ -350,8 +360,11 @@ def _check_command_line(argv, launch):
 def _primary_content(config_path, config_name, config):
     """The content of the primary YAML: a shipped recipe's, or the user's file's, checked
     (:func:`gacli.runner.user_config.check_user_yaml`); None for the default job."""
+    from importlib import resources
+
     import yaml
 
+    from gacli.runner.config import GROUPS
     from gacli.runner.user_config import check_user_yaml
 
     if not config_path.startswith("pkg://"):
@@ -374,6 +387,8 @@ def _run_hydra(command, launch):
 
     register_configs()
     assignments, extra = _hydra_overrides(command)
+    if not any(o.startswith(("--cfg", "--info", "-c", "-i", "--shell")) for o in command.options):
+        assignments, extra = _hold_back_record(assignments, extra, launch)
     if _shows_job_config(command.options):
         try:
             _validate_shown_config(command, assignments + extra)
@@ -399,7 +414,11 @@ def _run_hydra(command, launch):
             from gacli.runner.plugins import FAILED_JOBS
 
             # A job another process ran failed (Hydra printed its paragraph): its exit code.
-            # Otherwise Hydra could not compose the config, and said why.
+            # Otherwise Hydra could not compose the config (a malformed override, a value of
+            # the wrong type), and said why: the run directory taken for it before Hydra
+            # started goes, if this command made it.
+            for run_dir in rundir.held():
+                rundir.discard_unstarted(run_dir)
             return max(FAILED_JOBS) if FAILED_JOBS else EXIT_USAGE
         raise
     finally:
@@ -428,6 +447,8 @@ def _hydra_overrides(command):
         extra.append(f"hydra.run.dir={_RUN_DIR}")
     if not any(o.startswith("hydra.sweep.dir=") for o in overrides):
         extra.append(f"hydra.sweep.dir={_SWEEP_DIR}")
+    if any(o in ("-m", "--multirun") for o in command.options):
+        extra.append("++hydra.callbacks.gacli_sweep._target_=gacli.runner.plugins.SweepChecks")
     if not any(o.startswith("hydra.sweep.subdir=") for o in overrides):
         # One directory per job named by its overrides: a sweep opens in TensorBoard as a
         # comparison of, e.g., accum_steps=1 ... accum_steps=8.
@@ -436,6 +457,64 @@ def _hydra_overrides(command):
             "hydra.job.config.override_dirname.exclude_keys=[config]",
         ]
     return assignments, extra
+
+
+def _hold_back_record(assignments, extra, launch):
+    """Hydra writes its record of a job (config.yaml, hydra.yaml and overrides.yaml under
+    hydra.output_subdir) into the job's directory before the job starts, so before ga-train can
+    see whether that directory is a new one: a sweep's job given a finished run's directory
+    (hydra.sweep.subdir) would rewrite that run's record, and two jobs given one directory would
+    each write the other's. Hydra is told to write none (hydra.output_subdir=null); the job writes
+    the same files there once it holds the directory and has checked it (_write_record)."""
+    given = [a for a in assignments + extra if command_line.key(a) == "hydra.output_subdir"]
+    launch.record_subdir = given
+    assignments = [a for a in assignments if a not in given]
+    extra = [a for a in extra if a not in given]
+    return assignments, [*extra, "hydra.output_subdir=null"]
+
+
+def _job_record(cfg, launch):
+    """Hydra's record of the job as its run_job would have written it: (folder, {file name: YAML
+    text}); None where no record is kept (hydra.output_subdir=null, or a worker that is not the
+    chief). Taken when the job starts, before anything changes its config."""
+    import copy
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf, flag_override
+
+    given = launch.record_subdir
+    folder = OverridesParser.create().parse_override(given[-1]).value() if given else ".hydra"
+    if folder is None:
+        return None
+    hydra_cfg = copy.deepcopy(HydraConfig.instance().cfg)
+    with flag_override(hydra_cfg.hydra, "readonly", False):
+        hydra_cfg.hydra.output_subdir = folder
+        # Hydra's list of the command's hydra.* overrides, with the one given, not ga-train's.
+        listed = OmegaConf.to_container(hydra_cfg.hydra.overrides.hydra)  # ${...} unresolved
+        hydra_cfg.hydra.overrides.hydra = [
+            o for o in listed + given if o != "hydra.output_subdir=null"
+        ]
+        folder = hydra_cfg.hydra.output_subdir  # resolved, as Hydra resolves it
+    files = {
+        "config.yaml": OmegaConf.to_yaml(cfg),
+        "hydra.yaml": OmegaConf.to_yaml(hydra_cfg),
+        "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task),
+    }
+    return folder, files
+
+
+def _write_record(run_dir, record):
+    """Write Hydra's record of the job (:func:`_job_record`) into ``run_dir``, which this process
+    holds and has checked."""
+    if record is None:
+        return
+    folder, files = record
+    path = os.path.join(run_dir, folder)
+    os.makedirs(path, exist_ok=True)
+    for name, text in files.items():
+        with open(os.path.join(path, name), "w", encoding="utf-8") as handle:
+            handle.write(text)
 
 
 def _shows_job_config(options):
@@ -501,6 +580,7 @@ def _task(cfg, launch):
     directions = _sweeper_directions(hydra_config)
     launch.searching = directions is not None
     launch.sweep_dir = hydra_config.sweep.dir
+    launch.record = _job_record(cfg, launch)
     try:
         objective.check(cfg.objective, cfg.dataset.validation_split, directions, cfg.get("metrics"))
     except ConfigError as error:  # the same for every trial: the sweep itself is wrong
@@ -607,6 +687,7 @@ def _train(cfg, hydra_config, run_dir, launch):
     given = {
         command_line.key(override) for override in hydra_config.overrides.task if "=" in override
     }
+    from gacli.runner.resume import resume_requeued_job
     from gacli.runner.validate import validate
 
     validate(cfg, given)
@@ -614,10 +695,12 @@ def _train(cfg, hydra_config, run_dir, launch):
     _join_slurm_cluster(cfg)
     _refuse_lone_worker(cfg, run_dir, launch)
     if rundir.is_chief():
-        rundir.lock(run_dir, launch.command)
+        rundir.lock(run_dir, launch.command, cfg.resume)
     # Every command that writes a run directory (training, probe=batch, check=equivalence) is
     # refused a finished one; under -m the command line could not check the job's directory.
     rundir.check_usable(run_dir, cfg.resume)
+    if rundir.is_chief():
+        _write_record(run_dir, launch.record)
     from gacli.runner.quiet import tensorflow_startup
 
     with tensorflow_startup():
@@ -663,8 +746,11 @@ def _refuse_lone_worker(cfg, run_dir, launch):
     of one process it would train alone and save nothing: refused before training."""
     from gacli.runner.config import StrategyName
 
+    if cfg.strategy.name == StrategyName.multi_worker:
+        return
     role = rundir.cluster_role()
-    if role is None or cfg.strategy.name == StrategyName.multi_worker:
+    if role is None:
+        _refuse_lone_chief(cfg)
         return
     if os.path.isdir(run_dir) and not os.listdir(run_dir):
         # The empty directory Hydra made for this process: held, so that the refusal removes it.
@@ -677,6 +763,33 @@ def _refuse_lone_worker(cfg, run_dir, launch):
         "train alone and save nothing. To train with the other workers, add "
         "strategy=multi_worker (under SLURM: strategy=multi_worker strategy.cluster=slurm); to "
         f"train on its own, unset {variable} (a process on its own is its own chief)."
+    )
+
+
+def _refuse_lone_chief(cfg):
+    """The chief of a TF_CONFIG cluster of several tasks, under a strategy of one process, would
+    train alone while the cluster's other tasks wait for it or train copies of their own:
+    refused before training, as the other workers are."""
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return
+    config = rundir.read_tf_config(raw)
+    cluster = config.get("cluster", {})
+    # An evaluator reads checkpoints beside the cluster; it takes no part in training.
+    tasks = sum(
+        len(hosts) if isinstance(hosts, (list, dict)) else 1
+        for kind, hosts in cluster.items()
+        if kind != "evaluator"
+    )
+    if tasks <= 1:
+        return
+    task = config.get("task", {})
+    raise ConfigError(
+        f"TF_CONFIG names a cluster of {tasks} tasks, and this process is its chief "
+        f"({task.get('type', 'chief')} {task.get('index', 0)}), but "
+        f"strategy={cfg.strategy.name.value} trains in this one process, so it would train "
+        "alone, without the others. To train with the other workers, add "
+        "strategy=multi_worker; to train on its own, unset TF_CONFIG."
     )
 
 

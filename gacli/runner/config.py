@@ -101,7 +101,8 @@ class OutOfMemory(str, enum.Enum):
 
 class Task(str, enum.Enum):
     auto = "auto"  # from the data: integer labels classify, masks of the images' size segment
-    # float targets (samples,) or (samples, k) of npz or tfrecord: k linear outputs, squared error
+    # float targets (samples,) or (samples, k) of npz, tfrecord or a dataset target: k linear
+    # outputs, squared error
     regression = "regression"
 
 
@@ -195,8 +196,9 @@ class PrecisionConfig:
     policy: Policy = Policy.fp32
     # None: skip_micro_batch under mixed_float16 (the library's), stop otherwise (ga-train's own)
     nonfinite: Optional[NonFinite] = None
-    # Under a policy that skips: the run fails at an epoch end where more than this share of its
-    # micro-batches (skip_micro_batch) or windows (skip_window) so far was skipped.
+    # The run fails at an epoch end where more than this share of its windows so far was skipped
+    # (a non-finite loss or gradient, or no sample weight in them), or of its micro-batches under
+    # skip_micro_batch.
     max_skipped_fraction: float = 0.25
 
 

@@ -11,7 +11,9 @@ import sys
 import time
 
 import keras
+import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import (
     BarColumn,
@@ -30,10 +32,14 @@ from gacli.runner.throughput import samples_per_second
 def make_console():
     """The terminal's width on a terminal; into a file or a pipe, lines are not wrapped (rich
     would wrap at 80 columns there: progress lines are printed with soft_wrap) and the panel may
-    be as wide as its longest line."""
+    be as wide as its longest line.
+
+    Without rich's markup: what is printed holds the user's text (paths, overrides such as
+    ``logger=[tensorboard,csv]``, model names), which rich would read as style tags and drop.
+    """
     if sys.stdout.isatty() or "COLUMNS" in os.environ:
-        return Console(file=sys.stdout, highlight=False)
-    return Console(file=sys.stdout, highlight=False, width=_LOG_WIDTH)
+        return Console(file=sys.stdout, highlight=False, markup=False)
+    return Console(file=sys.stdout, highlight=False, markup=False, width=_LOG_WIDTH)
 
 
 _LOG_WIDTH = 160  # columns of the start-up panel in a log file
@@ -46,7 +52,9 @@ def startup_panel(console, cfg, plan, facts):
         f" x accum_steps {plan.accum_steps} x replicas {plan.replicas}",
     ]
     lines += [f"{key:<16} {value}" for key, value in facts.items()]
-    console.print(Panel("\n".join(lines), title=f"ga-train: {cfg.config}", expand=False))
+    # A panel's title is read as markup whatever the console's setting.
+    title = escape(f"ga-train: {cfg.config}")
+    console.print(Panel("\n".join(lines), title=title, expand=False))
 
 
 def summary_table(console, rows):
@@ -56,12 +64,21 @@ def summary_table(console, rows):
     console.print(table)
 
 
+# The engine's counts beside the metrics in fit()'s logs: TensorBoard's precision/ tags and the
+# summary table show them; a progress line shows the loss and the metrics.
+_ENGINE_LOGS = ("loss_scale", "skipped_micro_batches", "skipped_windows")
+
+
 def _format_logs(logs):
-    return "  ".join(
-        f"{key} {float(value):.4g}"
-        for key, value in (logs or {}).items()
-        if key.removeprefix("val_") in ("loss", "accuracy", "iou", "mae")
-    )
+    """Every metric fit() logged (the loss, the compiled metrics, the user's, their val_ ones)
+    as ``name value``; a metric of several numbers (a per-class score) is left to TensorBoard."""
+    shown = []
+    for key, value in (logs or {}).items():
+        number = np.asarray(value)
+        if key in _ENGINE_LOGS or number.size != 1 or not np.issubdtype(number.dtype, np.number):
+            continue
+        shown.append(f"{key} {float(number):.4g}")
+    return "  ".join(shown)
 
 
 def micro_batches_done(batch, params):
@@ -127,13 +144,14 @@ class ProgressCallback(keras.callbacks.Callback):
             return
         self._started = True
         if self.mode == ProgressMode.rich:
+            # The bar is the whole run's: its updates over every epoch, the epoch beside it.
             self._progress = Progress(
-                TextColumn("epoch {task.fields[epoch]}"),
+                TextColumn(f"epoch {{task.fields[epoch]}}/{self.epochs}", markup=False),
                 BarColumn(),
                 MofNCompleteColumn(),
-                TextColumn("updates  micro {task.fields[micro]}"),
-                TextColumn("{task.fields[metrics]}"),
-                TextColumn("{task.fields[speed]}"),
+                TextColumn("updates of the run  micro {task.fields[micro]}", markup=False),
+                TextColumn("{task.fields[metrics]}", markup=False),
+                TextColumn("{task.fields[speed]}", markup=False),
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
                 console=self.console,
@@ -180,10 +198,14 @@ class ProgressCallback(keras.callbacks.Callback):
             soft_wrap=True,
         )
 
+    def on_epoch_begin(self, epoch, logs=None):
+        # A resumed run's first fit() begins at its checkpoint's epoch, not the first.
+        if self._progress is not None:
+            self._progress.update(self._task, epoch=epoch + 1)
+
     def on_epoch_end(self, epoch, logs=None):
         if self.mode == ProgressMode.rich:
             self._refresh({k: v for k, v in (logs or {}).items() if not k.startswith("val_")})
-            self._progress.update(self._task, epoch=min(epoch + 2, self.epochs))
             self._progress.console.print(
                 f"epoch {epoch + 1}/{self.epochs}  {_format_logs(logs)}", soft_wrap=True
             )

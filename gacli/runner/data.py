@@ -23,6 +23,10 @@ from gacli.errors import ConfigError
 from gacli.runner import targets
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
+# A dataset target's data of unknown size (a generator, a filter()) is read whole before
+# training; past this many elements it is taken for one that never ends and refused. Data of a
+# known size (assert_cardinality) is read to its end.
+UNKNOWN_SIZE_LIMIT = 1_000_000
 
 
 @dataclass
@@ -104,7 +108,26 @@ def _check_targets(y, source, name=lambda row: f"row {row}"):
             f"{source}: the targets of {_first_rows(bad, name)} hold inf or nan, which would "
             "turn every weight into nan; replace or drop those samples."
         )
+    _refuse_overflowing_targets(y, source, name)
     return 1 if y.ndim == 1 else y.shape[1]
+
+
+def _refuse_overflowing_targets(y, source, name):
+    """ConfigError for regression targets whose squares, summed over the samples, overflow
+    float32: the squared error of a model that predicts about 0, as an untrained one does, and
+    the epoch's loss total would be inf."""
+    squares = np.square(np.asarray(y, "float64")).reshape(len(y), -1).sum(axis=1)
+    if squares.sum() <= np.finfo("float32").max:
+        return
+    row = int(np.argmax(squares))
+    largest = float(np.max(np.abs(np.asarray(y, "float64").reshape(len(y), -1)[row])))
+    raise ConfigError(
+        f"{source}: the targets are too large to train on in float32: {name(row)} holds "
+        f"{largest:.3g}, and the squares of such targets, summed over the {len(y)} samples, "
+        f"exceed float32's largest number ({np.finfo('float32').max:.3g}), so the mean squared "
+        "error would be inf. Scale the targets to about 1 (e.g. y / y.std(), and the "
+        "predictions back by the same factor), or drop those samples."
+    )
 
 
 def _check_labels(y, cfg, source, num_outputs, name=lambda row: f"row {row}"):
@@ -704,20 +727,40 @@ def _scan_own(dataset, source, what):
     """(samples, targets) of a dataset target's data, read once in batches; ConfigError naming
     the element for inputs, targets or sample weights that are not finite (or weights < 0)."""
     count, targets = 0, []
+    weighed = 0.0  # the sum of the sample weights, where there are any
+    unknown = dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
     try:
         for batch in dataset.batch(1024).as_numpy_iterator():
+            if unknown and count >= UNKNOWN_SIZE_LIMIT:
+                raise ConfigError(
+                    f"{source}: its {what} data has given {count:,} elements and not ended, and "
+                    "its size is unknown: a generator that never ends? ga-train reads the data "
+                    "once before training and makes the epochs itself, so return one pass over "
+                    "it (a generator that stops). If it does hold more, tell tf.data its size: "
+                    "return dataset.apply(tf.data.experimental.assert_cardinality(n))."
+                )
             checked = [("inputs", leaf) for leaf in tf.nest.flatten(batch[0])]
             checked += [("targets", batch[1]), ("sample weights", batch[2:3] and batch[2])]
             for name, values in checked:
                 _refuse_nonfinite(values, name, f"{source}: the {name} of {what} element", count)
             targets.append(batch[1])
             count += len(batch[1])
+            if len(batch) == 3:
+                weighed += float(np.sum(batch[2], dtype="float64"))
     except tf.errors.OpError as error:
         raise ConfigError(
             f"{source}: reading its {what} data failed after {count} elements ({_reason(error)})."
         ) from None
     if count == 0:
         raise ConfigError(f"{source}: its {what} data holds no samples; return some.")
+    if len(dataset.element_spec) == 3 and weighed == 0:
+        raise ConfigError(
+            f"{source}: every sample weight of its {what} data is 0, so no sample counts: the "
+            "loss would be 0.0 whatever the model predicts"
+            + (" and no update could change the model" if what == "training" else "")
+            + ". Give a weight above 0 to each sample (or position) that should count, e.g. 1 "
+            "for a real token and 0 for padding, or return (x, y) without weights."
+        )
     return count, np.concatenate(targets)
 
 
@@ -746,6 +789,13 @@ def _own_task(cfg, spec, targets, source):
     x, y = spec[0], spec[1]
     per_sample = int(np.prod(y.shape))
     rows = targets.reshape(len(targets), per_sample)
+    if cfg.task == "regression" and len(y.shape) > 1:
+        raise ConfigError(
+            f"{source}: dataset.task=regression needs targets of shape () or (k,) a sample (k "
+            f"values, which the model predicts in one Dense(k)); its targets are of shape "
+            f"{tuple(y.shape)} a sample. Return them flat (e.g. y.reshape(len(y), -1), then "
+            f"{per_sample} values a sample), or drop dataset.task for class labels."
+        )
     if cfg.task == "regression":
         return "regression", _check_targets(
             rows.astype("float32"), source, lambda r: f"element {r}"

@@ -9,11 +9,13 @@ writes ``equivalence.json`` in the run directory and no ``result.json`` or model
 """
 
 import os
+import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from gacli.engine.batchnorm import BatchNormWarning
 from gacli.engine.equivalence import EquivalenceInputError, check_equivalence
 from gacli.errors import ConfigError, TrainingFailed
 from gacli.rundir import is_chief, write_json
@@ -56,22 +58,26 @@ def run_equivalence_check(cfg, run_dir, given=()):
     x, y, *weights = first_window(run)
     wrapper, _ = choose_wrapper(cfg)
     try:
-        result = check_equivalence(
-            model,
-            x,
-            y,
-            accum_steps=plan.accum_steps,
-            micro_batch_size=plan.micro_batch_size,
-            optimizer=optimizer,
-            loss=loss,
-            sample_weight=weights[0] if weights else None,
-            wrapper="optimizer" if wrapper is Wrapper.optimizer else "model",
-            tolerance=cfg.check.tolerance,
-            strategy=strategy,
-            batchnorm=cfg.batchnorm.value,
-            # Every accumulation setting the job would train with, not only accum_steps.
-            config=accumulation_config(cfg, plan),
-        )
+        with warnings.catch_warnings():
+            # Batch norm in training mode is named by the verdict, as a cause, with the
+            # batchnorm= that make the update exact: Python's warning would say it again.
+            warnings.simplefilter("ignore", BatchNormWarning)
+            result = check_equivalence(
+                model,
+                x,
+                y,
+                accum_steps=plan.accum_steps,
+                micro_batch_size=plan.micro_batch_size,
+                optimizer=optimizer,
+                loss=loss,
+                sample_weight=weights[0] if weights else None,
+                wrapper="optimizer" if wrapper is Wrapper.optimizer else "model",
+                tolerance=cfg.check.tolerance,
+                strategy=strategy,
+                batchnorm=cfg.batchnorm.value,
+                # Every accumulation setting the job would train with, not only accum_steps.
+                config=accumulation_config(cfg, plan),
+            )
     except EquivalenceInputError as error:
         raise ConfigError(f"check=equivalence: {error}") from None
     record = result.to_dict()

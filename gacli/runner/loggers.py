@@ -13,6 +13,7 @@ checked with the rest of the config before anything is built.
 
 import contextlib
 import importlib.util
+import os
 
 from gacli.errors import ConfigError, Interrupted
 
@@ -71,6 +72,21 @@ def check_loggers(cfg, given=()):
             f"logger=[{','.join(names)}], so setting it would change nothing. Add it, e.g. "
             f"'logger=[{','.join([*names, 'mlflow'])}]', or drop {inert[0]}."
         )
+
+
+def check_logger_files(cfg, run_dir):
+    """ConfigError, before anything is built, where a logger's file or store cannot be used:
+    ``metrics.csv`` (:func:`gacli.runner.metrics_csv.check_table`) and the MLflow tracking store
+    (:func:`gacli.runner.mlflow_run.check_store`, seconds, without importing MLflow)."""
+    names = logger_names(cfg.logger)
+    if "csv" in names:
+        from gacli.runner.metrics_csv import check_table
+
+        check_table(os.path.join(run_dir, CSV_FILE))
+    if "mlflow" in names:
+        from gacli.runner.mlflow_run import check_store
+
+        check_store(cfg, run_dir)
 
 
 class ScalarWriter:

@@ -15,11 +15,14 @@ trains again, so every update has one row.
 """
 
 import csv
+import errno
+import functools
 import io
 import math
 import os
 import time
 
+from gacli.errors import ConfigError, TrainingFailed
 from gacli.runner.loggers import ScalarWriter
 
 _FLUSH_EVERY_S = 10.0  # as the TensorBoard event file (gacli.runner.run_logging)
@@ -32,6 +35,50 @@ def _cell(value):
     if math.isfinite(value) and value.is_integer() and abs(value) < 2**53:
         return str(int(value))
     return repr(value)
+
+
+def check_table(path):
+    """ConfigError, before anything is built, where ``path`` (the run's ``metrics.csv``) or the
+    file it is written through cannot be written: a folder of that name, or a file that cannot
+    be read back (a resumed run continues it)."""
+    for name in (path, f"{path}.writing"):
+        if os.path.isdir(name):
+            raise ConfigError(
+                f"{name} is a folder, and logger=csv writes the run's table there. Move or "
+                "remove that folder, or drop csv from logger=, e.g. 'logger=[tensorboard]'."
+            )
+    if os.path.exists(path):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as error:
+            raise ConfigError(
+                f"{path} cannot be read ({error.strerror or error}), and logger=csv continues "
+                "it. Make it readable (chmod u+rw), or drop csv from logger=, e.g. "
+                "'logger=[tensorboard]'."
+            ) from None
+
+
+def _written(method):
+    """``method`` of the table, with a file error while training said in one paragraph
+    (TrainingFailed: exit 1, the checkpoints kept). A full disk goes on up as it is: the run
+    names it (gacli.runner.run)."""
+
+    @functools.wraps(method)
+    def writing(self, *args):
+        try:
+            return method(self, *args)
+        except OSError as error:
+            if error.errno == errno.ENOSPC:
+                raise
+            raise TrainingFailed(
+                f"{self.path} could not be written ({error.strerror or error}); training "
+                "stopped, and the checkpoints written before it are kept. Fix the file or its "
+                "folder, then continue with resume=true (or resume=<the run directory>); or "
+                "drop csv from logger= when resuming, e.g. 'logger=[tensorboard]'."
+            ) from None
+
+    return writing
 
 
 class MetricsCsv(ScalarWriter):
@@ -53,6 +100,7 @@ class MetricsCsv(ScalarWriter):
         self._row_at = 0  # the byte offset at which it begins
         self._flushed = time.monotonic()
 
+    @_written
     def start(self, step):
         """Open the file; a resumed run's rows after update ``step`` are dropped."""
         rows = [row for row in self._rows() if int(row["step"]) <= step]
@@ -102,6 +150,7 @@ class MetricsCsv(ScalarWriter):
         self._row = rows[-1] if rows else None
         self._flushed = time.monotonic()
 
+    @_written
     def write(self, step, scalars):
         new = [tag for tag, _ in scalars if tag not in self.columns]
         if self._row is not None and int(self._row["step"]) == step:
@@ -129,6 +178,7 @@ class MetricsCsv(ScalarWriter):
         if time.monotonic() - self._flushed > _FLUSH_EVERY_S:
             self.flush()
 
+    @_written
     def flush(self):
         if self._file is not None:
             self._file.flush()

@@ -146,9 +146,10 @@ def factory(input_shape, num_outputs, task, cfg):
             "in an importable module, e.g. model.factory=mypkg.models:build_model."
         ) from None
     model = function(tuple(input_shape), num_outputs, task, **dict(cfg.kwargs))
-    if not isinstance(model, keras.Model):
+    if not targets.MODEL.accepts(model):
         raise ConfigError(
-            f"model.factory={cfg.factory} returned {type(model).__name__}, not a keras.Model."
+            f"model.factory={cfg.factory} returned {targets.described(model)}, not "
+            f"{targets.MODEL.what}; {targets.MODEL.instead}."
         )
     return model
 
@@ -167,6 +168,15 @@ def build_model(cfg, input_shape, num_outputs, task):
         )
         fill = {"input_shape": shape, "num_outputs": num_outputs, "task": task}
         return targets.build("model", targets.own_arguments(cfg, "model"), targets.MODEL, fill)
+    if isinstance(input_shape, dict):
+        shapes = ", ".join(f"{name}: {tuple(dims)}" for name, dims in input_shape.items())
+        chosen = f"model.factory={cfg.factory}" if cfg.factory else f"model={cfg.name}"
+        raise ConfigError(
+            f"{chosen} takes one input tensor, but the dataset gives named "
+            f"inputs {{{shapes}}}; build a model of your own for them (model._target_=my_pkg."
+            "nets.build: it gets input_shape as {name: shape}; docs/guides/own-model.md), or "
+            "give the dataset one input tensor a sample."
+        )
     if cfg.factory:
         return factory(input_shape, num_outputs, task, cfg)
     builder = REGISTRY.get(cfg.name)

@@ -90,23 +90,7 @@ def check(objective, validation_split, sweeper_directions, metrics=None):
         )
     if sweeper_directions is None:
         return  # one run: check_metric names the metrics of its data before training
-    # A sweep's objective is the same for every trial: a name no run logs ends the sweep here,
-    # where every trial would otherwise train and then fail, leaving the sweeper no result.
-    logged = logged_metrics(metrics)
-    if objective.removeprefix("val_") not in logged:
-        known = [*logged, *(f"val_{name}" for name in logged)] if validation_split else logged
-        near = difflib.get_close_matches(objective, known, n=1)
-        raise ConfigError(
-            f"objective={objective} is not a metric a ga-train run logs; it logs "
-            f"{', '.join(known)}"
-            + (
-                " (accuracy for classes, iou for masks of one class, mae and rmse for regression). "
-                if metrics is None
-                else " (the loss and metrics=). "
-            )
-            + (f"Did you mean objective={near[0]}? " if near else "")
-            + f"Give one of those, e.g. objective={'val_loss' if validation_split else 'loss'}."
-        )
+    check_logged(objective, validation_split, metrics)
     several = isinstance(sweeper_directions, (list, tuple))
     wanted = list(sweeper_directions) if several else [sweeper_directions]
     wanted = [str(getattr(item, "name", item)).lower() for item in wanted]
@@ -121,6 +105,30 @@ def check(objective, validation_split, sweeper_directions, metrics=None):
         raise ConfigError(
             f"objective={objective} is {implied}d, but the sweeper is set to {wanted[0]} it, "
             f"which would search for the worst settings; add hydra.sweeper.direction={implied}."
+        )
+
+
+def check_logged(objective, validation_split, metrics=None):
+    """ConfigError when ``objective`` names no metric a ga-train run can log.
+
+    A sweep's objective is the same for every job: a name no run logs ends the sweep before its
+    first job, where every job would otherwise build its model and then be refused (or, under a
+    search, train and leave the sweeper no result)."""
+    objective = metric_name(objective, validation_split)
+    logged = logged_metrics(metrics)
+    if objective.removeprefix("val_") not in logged:
+        known = [*logged, *(f"val_{name}" for name in logged)] if validation_split else logged
+        near = difflib.get_close_matches(objective, known, n=1)
+        raise ConfigError(
+            f"objective={objective} is not a metric a ga-train run logs; it logs "
+            f"{', '.join(known)}"
+            + (
+                " (accuracy for classes, iou for masks of one class, mae and rmse for regression). "
+                if metrics is None
+                else " (the loss and metrics=). "
+            )
+            + (f"Did you mean objective={near[0]}? " if near else "")
+            + f"Give one of those, e.g. objective={'val_loss' if validation_split else 'loss'}."
         )
 
 

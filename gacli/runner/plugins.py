@@ -7,10 +7,15 @@ in a multirun, so one given without ``-m`` would silently run the job here, once
 A job that a launcher ran in another process (joblib, submitit) cannot end the command with
 ``sys.exit``: the launcher would lose its result (submitit then waits for ever). It raises
 :class:`JobFailed` instead, which Hydra hands back to this process and prints as one paragraph.
+What is the same for every job is checked once, before the first (:class:`SweepChecks`).
 No TensorFlow import.
 """
 
+import os
+import sys
+
 from hydra.errors import CompactHydraException
+from hydra.experimental.callback import Callback
 
 from gacli.errors import ConfigError
 
@@ -93,3 +98,56 @@ class JobFailed(CompactHydraException):
 
     def __reduce__(self):
         return (_received, (str(self), self.exit_code))
+
+
+# What is the same for every job of a sweep, checked by SweepChecks before the first one starts.
+_SAME_FOR_EVERY_JOB = ("objective", "dataset", "metrics")
+
+
+class SweepChecks(Callback):
+    """Registered by ga-train for every multirun (``hydra.callbacks``): what is the same for every
+    job of the sweep (an ``objective=`` no run logs, or one the sweeper would optimise the wrong
+    way) is checked once, in the process that launches the jobs, before the first one starts.
+    Left to each job, it would be said once per job that a launcher runs side by side (joblib),
+    and end the sweep only after they all failed."""
+
+    def on_multirun_start(self, config, **kwargs):
+        from omegaconf.errors import OmegaConfBaseException
+
+        from gacli.runner import objective
+        from gacli.runner.cli import _sweeper_directions
+
+        if _swept(config) & set(_SAME_FOR_EVERY_JOB):
+            return  # each job checks its own
+        try:
+            settings = (config.objective, config.dataset.validation_split, config.get("metrics"))
+            directions = _sweeper_directions(config.hydra)
+        except OmegaConfBaseException:
+            return  # a value a job sets, or one Hydra will refuse with its own message
+        try:
+            objective.check(*settings[:2], directions, settings[2])
+            if settings[2] is None:
+                # Under any sweeper, with the task's own metrics (names known without a model):
+                # the jobs would each be refused it once their model is built.
+                objective.check_logged(*settings[:2])
+        except ConfigError as error:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            # One paragraph and exit code 2; SystemExit passes Hydra's own error report by.
+            print(f"ga-train: {error}", file=sys.stderr, flush=True)
+            sys.exit(error.exit_code)
+
+
+def _swept(config):
+    """The top-level keys (``dataset`` for ``dataset.validation_split``) a sweep varies: those
+    of the command line's sweeps (``a=1,2``, ``a=choice(1,2)``) and of ``hydra.sweeper.params``
+    (Optuna's)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    task = OmegaConf.to_container(config.hydra.overrides.task)
+    parsed = OverridesParser.create().parse_overrides(task)
+    keys = [override.key_or_group for override in parsed if override.is_sweep_override()]
+    params = OmegaConf.select(config, "hydra.sweeper.params")
+    keys += list(params or {})
+    return {key.lstrip("+~").split(".")[0].split("/")[0] for key in keys}

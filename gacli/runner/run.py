@@ -12,16 +12,15 @@ import contextlib
 import dataclasses
 import errno
 import functools
-import hashlib
 import logging
 import os
 import shutil
 
 import keras
-import numpy as np
 import tensorflow as tf
 from omegaconf import OmegaConf
 
+from gacli.engine import _keras_compat as compat
 from gacli.engine.accumulate_model import (
     AccumulatingModelWrapper,
     accumulation_callbacks,
@@ -30,10 +29,10 @@ from gacli.engine.accumulate_model import (
 from gacli.engine.accumulation import (
     NonFiniteError,
 )
-from gacli.engine.options import BatchNormPolicy, NonFinite
+from gacli.engine.options import BatchNormPolicy
 from gacli.engine.precise_batchnorm import PreciseBatchNorm
-from gacli.engine.tf32 import tf32_enabled, tf32_mode
-from gacli.errors import ConfigError, ProcessUnusable, TrainingFailed
+from gacli.engine.tf32 import tf32_enabled, tf32_mode, tf32_used
+from gacli.errors import ConfigError, Interrupted, ProcessUnusable, TrainingFailed
 from gacli.rundir import (
     CHECKPOINT_DIR,
     check_writable,
@@ -58,20 +57,23 @@ from gacli.runner.config import (
 )
 from gacli.runner.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.runner.data import load_dataset
-from gacli.runner.loggers import ended_with_the_job
+from gacli.runner.loggers import check_logger_files, ended_with_the_job
 from gacli.runner.memory_stats import reset_memory_peaks
 from gacli.runner.oom import WindowStart, oom_line, out_of_memory_message, position_in, smaller_plan
 from gacli.runner.resume import guard_run_dir
 from gacli.runner.run_logging import RunLogger, host_memory_bytes, open_writers
 from gacli.runner.runstate import (
+    EpochWeights,
+    OneTraining,
     PassOrder,
     RunCheckpoint,
     RunState,
     StopSignals,
     micro_batch_stream,
     scratch_or,
+    weights_fingerprint,
 )
-from gacli.runner.skip_budget import SkipBudget
+from gacli.runner.skip_budget import NoGradientStop, SkipBudget, check_trained
 from gacli.runner.steps import (
     check_batch_fits_data,
     check_validation_split,
@@ -79,7 +81,12 @@ from gacli.runner.steps import (
     plan_steps,
 )
 from gacli.runner.strategy import is_multi_worker, make_strategy
-from gacli.runner.targets import build_callbacks
+from gacli.runner.targets import (
+    build_callbacks,
+    callback_parts,
+    import_roots,
+    raised_by,
+)
 from gacli.runner.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
 
 
@@ -129,7 +136,9 @@ class Run:
         self.schedule = None  # the AccumSchedule of accum_schedule, when set
         self.stages = None  # its StageTable: each epoch's accum_steps, checkpointed
         self.announced = False  # the run directory's line has been printed
-        self.tf32 = None  # whether TF32 is on while the job runs (cfg.tf32 applied)
+        # Whether float32 products run in TF32 while the job runs: cfg.tf32 applied, on a GPU
+        # that has it (on a CPU, false whatever the setting).
+        self.tf32 = None
         self.user_callbacks = []  # the callbacks= list's, built before the model
 
     def execute(self):
@@ -137,7 +146,7 @@ class Run:
         self.check_run_dir(announce=False)
         self.plan_batch()
         with precision_policy(self.cfg.precision.policy), tf32_mode(self.cfg.tf32) as tf32:
-            self.tf32 = tf32
+            self.tf32 = tf32_used(tf32)
             self.load_data()
             check_validation_split(self.cfg, self.data)  # a check=equivalence needs none
             self.settle_plan()
@@ -169,6 +178,7 @@ class Run:
             check_writable(self.run_dir, "the run directory")
             if self.cfg.checkpoint:
                 check_writable(os.path.join(self.run_dir, CHECKPOINT_DIR), "the checkpoint folder")
+            check_logger_files(self.cfg, self.run_dir)  # metrics.csv, MLflow's store
 
     def announce_run_dir(self):
         """The run directory's line, printed once, before training (and last, with the result)."""
@@ -234,6 +244,8 @@ class Run:
         facts = self.job.facts(cfg, plan, data, steps, self.strategy)
         self.announce_run_dir()
         startup_panel(self.console, cfg, plan, {**facts, **self.chosen})
+        if self.job.batchnorm_warning:
+            self.console.print(self.job.batchnorm_warning, style="yellow", soft_wrap=True)
         self.chief = is_chief()
         if self.chief:
             _write_resolved(cfg, plan, steps, self.job, self.run_dir)
@@ -279,7 +291,7 @@ class Run:
         if cfg.oom == OutOfMemory.recover:
             window_start = WindowStart(accumulator, lambda: (checkpoint.epoch, checkpoint.done))
         skip_budget = None
-        if accumulator.nonfinite is not NonFinite.stop:
+        if accumulator.nonfinite is not None:
             skip_budget = SkipBudget(accumulator, plan.replicas, cfg.precision.max_skipped_fraction)
         self.callbacks = RunCallbacks(
             clock,
@@ -290,6 +302,9 @@ class Run:
             window_start,
             self.job.fault,
             skip_budget,
+            no_gradient=NoGradientStop(accumulator),
+            # Only with callbacks of the user's own, which may set the weights back.
+            epoch_weights=EpochWeights(accumulator) if self.user_callbacks else None,
         )
 
     def _logger(self, clock):
@@ -390,11 +405,43 @@ class Run:
             while True:
                 try:
                     self.history = self._fit_from_position()
+                    check_trained(self.job.accumulator)
                     return
                 except tf.errors.ResourceExhaustedError as error:
                     if disk_full(error):  # TensorFlow reports a full disk as exhausted too
                         raise
                     self._recover(error)
+                except Exception as error:
+                    failed = self._users_code_failed(error)
+                    if failed is None:
+                        raise
+                    raise failed from error
+
+    def _users_code_failed(self, error):
+        """TrainingFailed naming the user's loss, metric, callback or model that raised
+        ``error`` inside fit(), where it stopped and what is kept; None for an error not raised
+        by the user's code, or one that already says what to do."""
+        if isinstance(error, (ConfigError, TrainingFailed, Interrupted)):
+            return None
+        own = self.job.own + callback_parts(self.cfg.get("callbacks"), self.user_callbacks)
+        found = raised_by(error, own)
+        if found is None:
+            return None
+        key, raised = found
+        checkpoint = self.callbacks.checkpoint
+        saved = self.state.latest()
+        kept = (
+            f"The last checkpoint, {saved} (epoch {int(self.state.epoch.numpy()) + 1}, "
+            f"micro-batch {int(self.state.micro_batch.numpy())}), is kept: fix that code, then "
+            f"continue from it with resume={self.run_dir} (the same command with resume=true)."
+            if saved
+            else "No checkpoint was written before it: fix that code and run the command again."
+        )
+        return TrainingFailed(
+            f"training stopped at epoch {checkpoint.epoch + 1}, after micro-batch "
+            f"{checkpoint.done} of {self.steps.epoch_length}: {key} raised {raised}. {kept} "
+            "HYDRA_FULL_ERROR=1 shows where it raised."
+        )
 
     def _fit_from_position(self):
         """fit() from ``position`` to the end of training, one call per segment; what the
@@ -422,6 +469,7 @@ class Run:
             self.callbacks.checkpoint.start_segment(first, offset)
             # A resumed epoch is a fit() of its own: its end is not the run's end.
             last = end == cfg.epochs
+            self.callbacks.user_training.last = last
             with contextlib.nullcontext() if last else job.accumulator.fit_continues():
                 try:
                     segment = job.model.fit(
@@ -438,6 +486,8 @@ class Run:
                     raise TrainingFailed(self._where_nonfinite(error.micro_step)) from None
             for key, values in segment.history.items():
                 history.setdefault(key, []).extend(values)
+            if self._stopped_by_a_callback(last, segment.history):
+                break
         if not history:
             # Resumed after the last epoch's checkpoint: only the end of training is left, and
             # the last epoch's metrics are the ones kept with its checkpoint.
@@ -453,6 +503,20 @@ class Run:
                     ).items()
                 }
         return history
+
+    def _stopped_by_a_callback(self, last, logs):
+        """Whether a callback of the user's stopped training (EarlyStopping) in a fit() that was
+        not the run's last (``last``): training then ends as the last fit() would have ended it,
+        with the open window applied and the optimizer's EMA written, and then the user's
+        callbacks told (EarlyStopping sets its best epoch's weights back). ``logs``: that fit()'s,
+        metric -> values."""
+        job = self.job
+        if last or not job.model.stop_training:
+            return False
+        job.model.optimizer.finalize_variable_values(job.model.trainable_variables)
+        self.callbacks.user_training.last = True
+        self.callbacks.user_training.on_train_end({key: v[-1] for key, v in logs.items() if v})
+        return True
 
     def _enter_stage(self, epoch, restored=False):
         """The stage of ``epoch`` under ``accum_schedule``: its accum_steps (under gns decided
@@ -636,20 +700,16 @@ class Run:
         """model.keras (atomically), result.json and the summary table; the final metrics."""
         cfg, plan, run_dir, chief = self.cfg, self.plan, self.run_dir, self.chief
         model, accumulator = self.job.model, self.job.accumulator
-        final = {key: float(values[-1]) for key, values in self.history.items()}
-        # Equal on every worker of a run, and across runs that trained the same way.
-        fingerprint = hashlib.sha256(
-            b"".join(np.ascontiguousarray(weight).tobytes() for weight in model.get_weights())
-        ).hexdigest()[:16]
+        fingerprint = weights_fingerprint(model)
+        final, weights_from = self._final_metrics(fingerprint)
         if cfg.checkpoint:
             # Every worker saves (reading the accumulators is a collective); only the chief keeps
             # it. Written under another name first: a model.keras that exists is a whole one.
-            saved = _save_model(model, run_dir, chief)
+            saved, why = _save_model(model, run_dir, chief)
             if saved != "model.keras":
                 self.console.print(
-                    f"The model cannot be saved whole (it defines no get_config), "
-                    f"so its weights are in {saved}: build the model again and call "
-                    f"model.load_weights('{saved}').",
+                    f"The model cannot be saved whole: {why}. Its weights are in {saved}: build "
+                    f"the model again and call model.load_weights('{saved}').",
                     soft_wrap=True,
                 )
         updates, micro_steps = (
@@ -669,6 +729,7 @@ class Run:
                 weights_sha256=fingerprint,
                 host_peak_rss_bytes=host_memory_bytes()[1],
                 tf32=self.tf32,
+                **weights_from,
             )
             if self.stages is not None:
                 result["samples_seen"] = self.callbacks.clock.layout.samples_before(micro_steps)
@@ -685,29 +746,57 @@ class Run:
             )
         if noise is not None:
             rows["noise scale"] = noise_scale_verdict(plan.effective_batch_size, noise)
+        if weights_from:
+            rows["weights"] = (
+                f"epoch {weights_from['weights_epoch']}'s (update "
+                f"{weights_from['weights_optimizer_step']}), set back by a callback: the metrics "
+                "above are that epoch's"
+            )
         rows["weights sha256"] = fingerprint
         summary_table(self.console, rows)
         self.console.print(f"run directory: {run_dir}", soft_wrap=True)
         return final
 
+    def _final_metrics(self, fingerprint):
+        """The metrics of the weights the run ends with (``fingerprint``), metric -> value: the
+        last epoch's, or where a callback set the weights back to an earlier epoch's
+        (EarlyStopping's restore_best_weights) that epoch's; and then, for result.json, which
+        epoch that is and the updates its weights had (else {})."""
+        final = {key: float(values[-1]) for key, values in self.history.items()}
+        recorder = self.callbacks.epoch_weights
+        set_back = recorder.set_back_to(fingerprint) if recorder is not None else None
+        if set_back is None:
+            return final, {}
+        final = {key: set_back.logs[key] for key in final if key in set_back.logs}
+        return final, {
+            "weights_epoch": set_back.epoch + 1,
+            "weights_optimizer_step": set_back.optimizer_step,
+        }
+
 
 def _save_model(model, run_dir, chief):
-    """Write the trained model into ``run_dir`` atomically: ``model.keras``, or where the model
-    cannot be serialised (a subclassed model without ``get_config``) its weights,
-    ``model.weights.h5``; the name written. Every worker saves (reading the accumulators is a
-    collective); only the chief keeps it. Written under another name first: a file that exists
-    is a whole one."""
+    """Write the trained model into ``run_dir`` atomically: ``model.keras``, or where
+    ``keras.saving.load_model`` could not rebuild the model from it (:func:`not_loadable_whole`)
+    its weights, ``model.weights.h5``; (the name written, why not whole or None). Every worker
+    saves (reading the accumulators is a collective); only the chief keeps it. Written under
+    another name first: a file that exists is a whole one."""
     # The weights alone are the user's own model's, so that they load into it as it is built.
     own = model.model if isinstance(model, AccumulatingModelWrapper) else model
-    for name, save in (("model.keras", model.save), ("model.weights.h5", own.save_weights)):
+    why = not_loadable_whole(own)
+    choices = [("model.weights.h5", own.save_weights)]
+    if why is None:
+        choices.insert(0, ("model.keras", model.save))
+    for name, save in choices:
         path = scratch_or(os.path.join(run_dir, f".writing-{name}"), chief)
         try:
             save(path)
-        except NotImplementedError:
+        except NotImplementedError as error:
             with contextlib.suppress(OSError):
                 os.remove(path)
             if name == "model.keras":
-                continue  # no get_config: the weights instead
+                # A layer whose config Keras cannot make (arguments it cannot serialise).
+                why = f"Keras cannot make its config: {_one_line(error)}"
+                continue
             raise
         except BaseException:
             with contextlib.suppress(OSError):
@@ -717,7 +806,45 @@ def _save_model(model, run_dir, chief):
             os.replace(path, os.path.join(run_dir, name))
         else:
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-        return name
+        return name, why
+
+
+# Packages whose classes keras.saving.load_model finds by their module, unregistered.
+_FOUND_BY_MODULE = ("keras", "keras_hub", "keras_cv", "keras_nlp")
+
+
+def not_loadable_whole(model):
+    """Why ``keras.saving.load_model``, in a new process after ``import gacli``, could not rebuild
+    ``model`` from a ``model.keras``; None when it could. Every layer in it (itself included)
+    must be of a class Keras finds (Keras' or KerasHub's own, or one registered with
+    ``@keras.saving.register_keras_serializable()``), and no subclassed model may rely on Keras'
+    automatic config: for a model, Keras makes it from the defaults of ``__init__``, not from the
+    arguments it was built with (its weights would not fit what it builds)."""
+    for layer in compat.sublayers(model, include_self=True):
+        cls = type(layer)
+        if cls.__module__.split(".")[0] in _FOUND_BY_MODULE:
+            continue
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        registered = keras.saving.get_registered_name(cls)
+        if keras.saving.get_registered_object(registered) is not cls:
+            return (
+                f"{name} is not registered with @keras.saving.register_keras_serializable(), "
+                "so keras.saving.load_model cannot find it"
+            )
+        own_config = any(
+            "get_config" in vars(base)
+            for base in cls.__mro__
+            if base.__module__.split(".")[0] not in _FOUND_BY_MODULE
+        )
+        if isinstance(layer, keras.Model) and not compat.is_functional(layer) and not own_config:
+            return f"{name} is a subclassed model that defines no get_config"
+    return None
+
+
+def _one_line(error):
+    """Keras' message of ``error`` (wrapped over several lines) as one line, shortened."""
+    text = " ".join(str(error).split()).rstrip(".") or type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def disk_full(error):
@@ -751,7 +878,9 @@ class RunCallbacks:
     precise_batchnorm: object = None  # batchnorm=precise
     window_start: WindowStart | None = None  # oom=recover
     fault: object = None  # GACLI_FAKE_OOM_ABOVE's (gacli.runner.faults)
-    skip_budget: SkipBudget | None = None  # a non-finite policy that skips
+    skip_budget: SkipBudget | None = None  # any non-finite policy: skipped windows counted
+    no_gradient: NoGradientStop | None = None  # a loss that no trainable weight reaches
+    epoch_weights: EpochWeights | None = None  # with callbacks=: which epoch's weights end it
     user: list = dataclasses.field(default_factory=list)  # the callbacks= list's, called last
 
     @functools.cached_property
@@ -760,19 +889,28 @@ class RunCallbacks:
         neither logged nor saved; the model wrappers' fit() would add them too, a plain model's
         would not); then the clock before the readers of its time; the precise batch-norm
         statistics after the callbacks that close an epoch's window, so that they see its last
-        update; the skip budget, which fails a run before its epoch is saved; the checkpoint;
-        the window start and the fault; the user's own callbacks last."""
+        update; the skip budget and the no-gradient stop, which fail a run before its epoch is
+        saved; the checkpoint; the window start and the fault; the record of each epoch end's
+        weights (with the user's callbacks, which may set them back); the user's own callbacks
+        last, told of one training over the run's fit() calls (:class:`OneTraining`)."""
         reporting = [self.clock, *self.reporters()]
         later = (
             self.precise_batchnorm,
             self.skip_budget,
+            self.no_gradient,
             self.checkpoint,
             self.window_start,
             self.fault,
+            self.epoch_weights,
         )
         accumulator = self.clock.accumulator
         ours = accumulation_callbacks(accumulator, reporting) + [c for c in later if c is not None]
-        return ours + list(self.user)
+        return ours + ([self.user_training] if self.user else [])
+
+    @functools.cached_property
+    def user_training(self):
+        """The user's callbacks, told of one training over the run's fit() calls."""
+        return OneTraining(self.user)
 
     def reporters(self):
         """The callbacks that show the plan: told when it changes."""
@@ -803,8 +941,23 @@ def _resolved(cfg, plan, steps, job):
         "optimizer_updates": steps.total_updates,
         "updates_per_epoch": steps.updates_per_epoch,
         "wrapper": job.wrapper.value,
+        # What the loss is (ga-report marks a best loss only among runs of one loss).
+        "loss": _loss_name(getattr(job.model, "loss", None)),
     }
+    roots = import_roots(resolved)
+    if roots:  # the user's modules came from PYTHONPATH or here: the job needs them again
+        resolved["resolved"]["pythonpath"] = os.pathsep.join(roots)
     return resolved
+
+
+def _loss_name(loss):
+    """Keras's name of a compiled loss (``sparse_categorical_crossentropy``,
+    ``mean_squared_error``), a function's name, or None."""
+    if loss is None:
+        return None
+    if isinstance(loss, str):
+        return loss
+    return getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__
 
 
 def _hparams(cfg, plan, job):
@@ -814,7 +967,7 @@ def _hparams(cfg, plan, job):
         "micro_batch_size": plan.micro_batch_size,
         "effective_batch_size": plan.effective_batch_size,
         "precision": cfg.precision.policy.value,
-        "tf32": tf32_enabled(),
+        "tf32": tf32_used(tf32_enabled()),
         "strategy": cfg.strategy.name.value,
         "wrapper": job.wrapper.value,
         "model": cfg.model.factory or shown_name(cfg.model),

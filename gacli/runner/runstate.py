@@ -1,6 +1,7 @@
 """A run's position and its checkpoints: what ``resume=`` restores and what SIGTERM saves.
 
-A checkpoint holds the model, the optimizer (accumulators, both counters, the loss scale) and the
+A checkpoint holds the model, the optimizer (accumulators, both counters, the loss scale), the
+random state of the model's layers (their seed generators', and Keras' global one) and the
 position in the run: the epoch and the micro-batches already done in it. Because every pass over the
 data has its own seeded order (:func:`micro_batch_stream`), a restored run reads exactly the
 micro-batches the uninterrupted run would have read next, even from the middle of a window.
@@ -15,8 +16,11 @@ that is removed afterwards.
 
 import dataclasses
 import glob
+import hashlib
+import logging
 import math
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -26,6 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from gacli.engine.random_state import random_state
 from gacli.errors import ConfigError, Interrupted
 from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, looks_intact, read_json, write_json
 
@@ -127,13 +132,19 @@ class RunState:
         self.epoch = tf.Variable(0, dtype="int64", trainable=False)
         self.micro_batch = tf.Variable(0, dtype="int64", trainable=False)
         # extra: more state by name (the accumulation schedule's stages, when the run has one).
-        self.checkpoint = tf.train.Checkpoint(
+        self._parts = dict(
             model=model,
             optimizer=model.optimizer,
             epoch=self.epoch,
             micro_batch=self.micro_batch,
             **(extra or {}),
         )
+        # The seed generators' states, which a checkpoint of the model alone does not reach
+        # (gacli.engine.random_state): a resumed run draws the dropout masks and noise the
+        # uninterrupted one would.
+        self.random_state = random_state(model)
+        self._draws = bool(self.random_state["layers"])
+        self.checkpoint = tf.train.Checkpoint(**self._parts, random_state=self.random_state)
         self.run_dir = run_dir
         self.directory = os.path.join(run_dir, CHECKPOINT_DIR)
         self.chief = chief
@@ -181,19 +192,54 @@ class RunState:
                 f"({listed}). The run cannot be continued; start it again without resume= (a new "
                 "directory), or restore the checkpoints folder from a backup."
             )
-        self.checkpoint.restore(prefix).assert_existing_objects_matched()
+        # Checked before restoring: a refused restore would leave TensorFlow's notice of values
+        # left unrestored to be logged after the message, when the process ends.
+        changed = _changed_model(prefix, self._parts["model"].trainable_variables)
+        if changed is not None:
+            raise ConfigError(_changed_model_message(prefix, changed))
+        try:
+            self._restore_from(prefix, warn)
+        except ValueError as error:  # the model's code changed in a way not checked above
+            raise ConfigError(_changed_model_message(prefix, _first_line(error))) from None
         if self.chief:
             self._set_aside(damaged, warn)
             intact = [
                 os.path.join(self.directory, f"ckpt-{n}") for n in sorted(numbers) if n <= number
             ]
-            tf.compat.v1.train.update_checkpoint_state(
-                self.directory, prefix, all_model_checkpoint_paths=intact
-            )
+            # TensorFlow's writer of the ``checkpoint`` file is deprecated in favour of
+            # CheckpointManager, which cannot leave damaged checkpoints out of its list; its
+            # deprecation notice, logged at every resume, is not for the user of ga-train.
+            logger = tf.get_logger()
+            level = logger.level
+            logger.setLevel(logging.ERROR)
+            try:
+                tf.compat.v1.train.update_checkpoint_state(
+                    self.directory, prefix, all_model_checkpoint_paths=intact
+                )
+            finally:
+                logger.setLevel(level)
         else:  # the chief sets the damaged ones aside; the other workers only skip them
             for path, problem in damaged:
                 warn(f"resume: {os.path.basename(path)} is damaged ({problem}); skipped")
         return int(self.epoch.numpy()), int(self.micro_batch.numpy())
+
+    def _restore_from(self, prefix, warn):
+        """Everything the checkpoint ``prefix`` holds. One written by an earlier gacli, which did
+        not keep the random state, restores without it, with a warning if the model draws."""
+        if any(name.startswith("random_state/") for name, _ in tf.train.list_variables(prefix)):
+            self.checkpoint.restore(prefix).assert_existing_objects_matched()
+            return
+        older = tf.train.Checkpoint(**self._parts)
+        older.restore(prefix).assert_existing_objects_matched()
+        # The checkpoints' numbering goes on from the restored count, as after a full restore.
+        self.checkpoint.save_counter.assign(older.save_counter)
+        if self._draws:
+            warn(
+                f"resume: {os.path.basename(prefix)} was written without the state of the "
+                "model's random layers (Dropout, noise, random augmentation): they draw from "
+                "their first numbers again, so the resumed run will not end at the weights of an "
+                "uninterrupted one. Its checkpoints from now on hold that state."
+            )
 
     def _set_aside(self, damaged, warn):
         if not damaged:
@@ -255,6 +301,48 @@ def _finite_number(value):
         return False
 
 
+def _changed_model(prefix, variables):
+    """How the model's trainable ``variables`` (built now) differ from those the checkpoint
+    ``prefix`` holds, in shape or number; None where they do not, or the checkpoint does not
+    say (its optimizer keeps the variables it updates, in the model's order)."""
+    saved = {}
+    for name, shape in tf.train.list_variables(prefix):
+        found = re.fullmatch(
+            r"optimizer/_trainable_variables/(\d+)/\.ATTRIBUTES/VARIABLE_VALUE", name
+        )
+        if found:
+            saved[int(found[1])] = tuple(shape)
+    if not saved:
+        return None
+    for index, variable in enumerate(variables):
+        if index in saved and saved[index] != tuple(variable.shape):
+            name = getattr(variable, "path", variable.name)
+            return (
+                f"its variable {name} has shape {tuple(variable.shape)} in the model built now "
+                f"and {saved[index]} in the checkpoint"
+            )
+    if len(saved) != len(variables):
+        return (
+            f"the model built now has {len(variables)} trainable variables and the checkpoint "
+            f"{len(saved)}"
+        )
+    return None
+
+
+def _changed_model_message(prefix, difference):
+    return (
+        f"resume: the model built now does not fit the checkpoint {os.path.basename(prefix)}: "
+        f"{difference}. The code that builds the model (or its settings) changed since the run "
+        "began; restore it as it was to continue this run, or start a new run without resume= "
+        "for the changed model."
+    )
+
+
+def _first_line(error):
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
 def checkpoint_damage(prefix):
     """None when checkpoint ``prefix`` reads back whole, else what is wrong with it (one line)."""
     if not looks_intact(prefix):
@@ -304,6 +392,131 @@ class StopSignals:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         return False
+
+
+def weights_fingerprint(model):
+    """The first 16 hex digits of the sha256 of ``model``'s weights: equal on every worker of a
+    run, and across runs that trained the same way."""
+    return hashlib.sha256(
+        b"".join(np.ascontiguousarray(weight).tobytes() for weight in model.get_weights())
+    ).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochEnd:
+    """The state at one epoch's end: the epoch (from 0), the weights' fingerprint, the updates
+    applied so far and the epoch's metrics."""
+
+    epoch: int
+    fingerprint: str
+    optimizer_step: int
+    logs: dict
+
+
+class EpochWeights(keras.callbacks.Callback):
+    """Which epoch's end the weights a run ends with are from, where a callback set them back to
+    an earlier epoch's (``keras.callbacks.EarlyStopping(restore_best_weights=True)`` sets its best
+    epoch's at the end of fit()): the weights' fingerprint, the updates and the metrics at each
+    epoch end. It reads every weight once an epoch, so a run has it only with callbacks of the
+    user's own.
+
+    Args:
+        accumulator: the run's GradientAccumulateOptimizer, which counts the updates.
+
+    Example:
+        >>> recorder = EpochWeights(accumulator)  # before the user's callbacks in fit()
+        >>> recorder.set_back_to(weights_fingerprint(model))  # after fit(): an EpochEnd or None
+    """
+
+    def __init__(self, accumulator):
+        super().__init__()
+        self.accumulator = accumulator
+        self.ends = []  # EpochEnd of each epoch this process trained, in order
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = {name: float(value) for name, value in (logs or {}).items()}
+        step = int(self.accumulator.optimizer_step.numpy())
+        self.ends.append(EpochEnd(epoch, weights_fingerprint(self.model), step, logs))
+
+    def set_back_to(self, fingerprint):
+        """The latest EpochEnd whose weights have ``fingerprint``, where the last epoch end's do
+        not (a callback set the weights back); None where they are the last epoch's, or none."""
+        if not self.ends or self.ends[-1].fingerprint == fingerprint:
+            return None
+        return next((end for end in reversed(self.ends) if end.fingerprint == fingerprint), None)
+
+
+class OneTraining(keras.callbacks.Callback):
+    """The user's callbacks, told of one training where a run is several fit() calls (one per
+    epoch where a compiled call would run past an epoch's end, or accum_steps may change; a
+    resumed epoch's own): ``on_train_begin`` at the first call's start, ``on_train_end`` at the
+    last call's end, and every other event as it comes. So a callback that keeps state over
+    epochs (EarlyStopping's patience, its best epoch and weights) keeps it over the whole run.
+
+    Args:
+        callbacks: the user's callbacks, called in this order.
+
+    Example:
+        >>> user = OneTraining(callbacks)
+        >>> user.last = True  # before the run's last fit(); or after one a callback stopped:
+        >>> user.on_train_end()
+    """
+
+    def __init__(self, callbacks):
+        super().__init__()
+        self.callbacks = list(callbacks)
+        self.last = True  # whether the fit() that runs next is the run's last
+        self._begun = False
+
+    def set_model(self, model):
+        super().set_model(model)
+        for callback in self.callbacks:
+            callback.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        for callback in self.callbacks:
+            callback.set_params(params)
+
+    def on_train_begin(self, logs=None):
+        if not self._begun:
+            self._begun = True
+            self._tell("on_train_begin", logs=logs)
+
+    def on_train_end(self, logs=None):
+        if self.last:
+            self._tell("on_train_end", logs=logs)
+
+    def _tell(self, event, *arguments, **keywords):
+        for callback in self.callbacks:
+            getattr(callback, event)(*arguments, **keywords)
+
+
+def _passed_on(event):
+    def hook(self, *arguments, **keywords):
+        self._tell(event, *arguments, **keywords)
+
+    hook.__name__ = event
+    return hook
+
+
+# fit() calls these hooks on each callback; a Callback's own on_train_batch_* call its legacy
+# on_batch_* aliases, so those are not passed on a second time.
+for _event in (
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_test_begin",
+    "on_test_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_begin",
+    "on_predict_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+):
+    setattr(OneTraining, _event, _passed_on(_event))
 
 
 class RunCheckpoint(keras.callbacks.Callback):

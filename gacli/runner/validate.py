@@ -406,7 +406,8 @@ def _validate_ranges(cfg):
         )
     if cfg.dataset.task == Task.regression and cfg.dataset.name not in ("npz", "tfrecord", OWN):
         raise ConfigError(
-            f"dataset.task=regression reads float targets from dataset=npz or dataset=tfrecord, "
+            "dataset.task=regression reads float targets from dataset=npz, dataset=tfrecord or "
+            "a dataset of your own (dataset._target_=...), "
             f"and dataset={cfg.dataset.name} has class labels or masks; save the inputs and "
             "targets with numpy.savez('train.npz', x=inputs, y=targets) and give dataset=npz "
             "dataset.path=train.npz dataset.task=regression, or drop dataset.task."

@@ -33,3 +33,34 @@ def digit_arrays(scale=1.0):
 def broken(path):
     """Wrong: raises, as a loader whose file is missing would."""
     raise FileNotFoundError(f"no such file: {path}")
+
+
+def mostly_padding(weighted=64, at_end=False):
+    """(train, None) as NumPy arrays (x, y, sample_weight): digits of which only the first
+    ``weighted`` (``at_end``: the last) weigh 1 and every other weighs 0, as a corpus of mostly
+    padding would."""
+    images, labels = _digits()
+    weights = (np.arange(len(labels)) < weighted).astype("float32")
+    return (images[..., None], labels, weights[::-1] if at_end else weights), None
+
+
+def grid_targets():
+    """(train, None) as arrays whose regression targets are a 2x3 grid a sample, not flat."""
+    images, labels = _digits()
+    grids = np.repeat(labels, 6).reshape(-1, 2, 3).astype("float32")
+    return (images.reshape(len(images), -1), grids), None
+
+
+def endless():
+    """(train, None): a generator's tf.data.Dataset that never ends, of unknown size."""
+
+    def digits_forever():
+        images, labels = _digits()
+        while True:
+            yield from zip(images, labels)
+
+    train = tf.data.Dataset.from_generator(
+        digits_forever,
+        output_signature=(tf.TensorSpec((8, 8), tf.float32), tf.TensorSpec((), tf.int32)),
+    )
+    return train, None

@@ -26,3 +26,18 @@ class WriteEpochs(keras.callbacks.Callback):
         }
         with open(self.path, "a") as handle:
             handle.write(json.dumps(line) + "\n")
+
+
+class FailsAtEpoch(keras.callbacks.Callback):
+    """Wrong while ``broken``: raises as ``epoch`` (counted from 0) begins, as a callback with a
+    bug would; a test sets ``FailsAtEpoch.broken = False`` to stand for the bug fixed."""
+
+    broken = True
+
+    def __init__(self, epoch=1):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.broken and epoch == self.epoch:
+            raise RuntimeError(f"no logs for epoch {epoch} yet")

@@ -270,11 +270,21 @@ def yaml_comment(path):
     return " ".join(line.strip() for line in opening_comment(path))
 
 
+def default_choice(group):
+    """The default job's choice of ``group``, from the defaults list of configs/train.yaml (a
+    section built by its _target_ has no name key to tell it by)."""
+    import yaml
+
+    train = yaml.safe_load((resources.files("gacli.configs") / "train.yaml").read_text())
+    entries = [e for e in train["defaults"] if isinstance(e, dict) and group in e]
+    return entries[0][group] if entries else None
+
+
 def group_section(group, schema, cfg, config):
     from omegaconf import OmegaConf
 
     folder = resources.files("gacli.configs") / group
-    chosen = OmegaConf.select(cfg, f"{group}.name") or OmegaConf.select(cfg, f"{group}.policy")
+    chosen = default_choice(group)
     rows = []
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if not entry.name.endswith(".yaml"):

@@ -328,7 +328,11 @@ def ga_train_big_batch_reference(cfg, window, learning_rates=None):
     from gacli.runner.models import build_model
     from gacli.runner.runstate import pass_order
 
-    assert (cfg.optimizer.name.value, cfg.optimizer.schedule.value) == ("momentum", "constant")
+    assert (cfg.optimizer._target_, cfg.optimizer.schedule.value) == (
+        "keras.optimizers.SGD",
+        "constant",
+    )
+    assert cfg.optimizer.momentum is not None
     data = load_dataset(cfg.dataset, cfg.seed)
     x, y = (np.stack(column) for column in zip(*data.train.as_numpy_iterator()))
     keras.utils.set_random_seed(cfg.seed)

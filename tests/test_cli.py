@@ -108,7 +108,13 @@ BAD_INPUT = [
         "ga-train: effective_batch_size=100 is not a multiple of micro_batch_size x replicas",
     ),
     (["config=nope.yaml"], "ga-train: config=nope.yaml is neither a shipped recipe"),
-    (["optimizer.name=adamm"], "Invalid value 'adamm'"),
+    (
+        ["optimizer.name=adamm"],
+        "ga-train: optimizer.name=adamm: optimizer.name is no longer read: an optimizer is chosen "
+        "by its file",
+    ),
+    (["optimizer.name=sgd"], "Type optimizer=sgd instead, or optimizer._target_="),
+    (["optimizer=own"], "ga-train: optimizer=own: optimizer=own is no longer a choice"),
     (["steps_per_execution=0"], "ga-train: steps_per_execution=0 must be >= 1"),
     (["precise_bn_micro_batches=0"], "ga-train: precise_bn_micro_batches=0 must be >= 1"),
     (
@@ -173,6 +179,7 @@ print("tensorflow imported:", "tensorflow" in sys.modules)
         ["accum_steps=0"],
         ["acum_steps=1"],
         ["effective_batch_size=100", "micro_batch_size=16"],
+        ["optimizer.name=sgd"],
     ],
 )
 def test_help_and_config_errors_answer_without_importing_tensorflow(arguments, tmp_path):

@@ -24,7 +24,6 @@ RANGES = [
 ]
 INERT = [
     (("dataset.image_size=16",), "dataset.image_size is read only with dataset=shapes or"),
-    (("optimizer.momentum=0.5",), "optimizer.momentum is read only with optimizer=momentum"),
     (("optimizer.clip_factor=0.02",), "optimizer.clip_factor is read only with optimizer.use_agc"),
     (("model.filters=[8]",), "model.filters is read only with model=cnn"),
     (("strategy.logical_cpus=2",), "strategy.logical_cpus is read only with strategy=mirrored"),

@@ -22,7 +22,7 @@ from gacli.errors import ConfigError, Interrupted  # noqa: F401  (imported from 
 _LIBRARY = AccumulationConfig()
 
 # Enum members are lower case because OmegaConf matches a YAML/command-line string to a member by
-# its name: optimizer.name=adam must find OptimizerName.adam (see gacli.engine.options).
+# its name: strategy.name=mirrored must find StrategyName.mirrored (see gacli.engine.options).
 
 
 # Keys a resumed run may change: they change neither the updates nor the order of the data.
@@ -50,15 +50,6 @@ class Wrapper(str, enum.Enum):
     # GradientAccumulateOptimizer in a plain fit(): every micro-batch weighs the same and windows
     # run across epochs (exact when the data divides into windows)
     optimizer = "optimizer"
-
-
-class OptimizerName(str, enum.Enum):
-    sgd = "sgd"
-    momentum = "momentum"
-    adam = "adam"
-    adamw = "adamw"
-    rmsprop = "rmsprop"
-    own = "own"  # optimizer._target_: your own Keras optimizer, wrapped for accumulation
 
 
 class Schedule(str, enum.Enum):
@@ -111,11 +102,13 @@ class Pick(str, enum.Enum):
     fastest = "fastest"  # the one with the most samples/s among those that fit
 
 
-# A section whose _target_ is the user's own (model=own, dataset=own, optimizer=own; setting
-# <section>._target_ chooses it): the target, "package.module.callable", is called with the
-# section's other keys, except those ga-train reads itself (OWN_SECTION_KEYS), and returns what
-# the section makes (docs/guides/own-model.md). The section takes keys the schema does not
-# declare, as the callable's arguments (register_configs leaves it open).
+# A section whose _target_ is the user's own (model=own, dataset=own; setting <section>._target_
+# chooses it): the target, "package.module.callable", is called with the section's other keys,
+# except those ga-train reads itself (OWN_SECTION_KEYS), and returns what the section makes
+# (docs/guides/own-model.md). The section takes keys the schema does not declare, as the
+# callable's arguments (register_configs leaves it open). The optimizer and loss sections are
+# always built that way (TARGET_SECTIONS): a shipped optimizer is a file of _target_ and
+# arguments, as a user's is.
 OWN = "own"
 
 
@@ -164,21 +157,25 @@ class DatasetConfig:
 
 @dataclass
 class OptimizerConfig:
-    # optimizer=own: what returns your keras.optimizers.Optimizer, e.g. keras.optimizers.Lion;
-    # its arguments are the other optimizer.* keys but ga-train's own (schedule, warm-up,
-    # scaling, AGC), and learning_rate: the schedule ga-train makes of optimizer.learning_rate
-    _target_: Optional[str] = None
-    name: OptimizerName = OptimizerName.adam
+    # What returns the Keras optimizer: the chosen file's (optimizer=sgd: keras.optimizers.SGD) or
+    # your own (optimizer._target_=keras.optimizers.Lion replaces it). It is called with the other
+    # optimizer.* keys that are set (not null), any key the schema does not declare too
+    # (optimizer.beta_1=0.95), but ga-train's own (schedule, warm-up, scaling, AGC), and with
+    # learning_rate: the schedule ga-train makes of optimizer.learning_rate; ga-train wraps it
+    # for accumulation.
+    _target_: str = MISSING
     learning_rate: float = MISSING  # the optimizer group's file, then configs/train.yaml
-    momentum: Optional[float] = 0.9  # the momentum optimizer's momentum
-    # adamw (decoupled); other optimizers: Keras' weight_decay
-    weight_decay: Optional[float] = 0.0
+    # null: not given (the target's default); keras.optimizers.SGD and RMSprop take it
+    momentum: Optional[float] = None
+    # null: not given; keras.optimizers.AdamW's decoupled decay, other Keras optimizers' decay
+    # of the weights
+    weight_decay: Optional[float] = None
     clipnorm: Optional[float] = None  # each gradient's norm, clipped once per update
     global_clipnorm: Optional[float] = None  # all gradients' norm together, once per update
+    # Keras' moving average of the weights, updated once per update (null: not given)
+    use_ema: Optional[bool] = None
     use_agc: bool = _LIBRARY.use_agc  # adaptive gradient clipping, once per update
     clip_factor: float = _LIBRARY.clip_factor
-    # Keras' moving average of the weights, updated once per update
-    use_ema: Optional[bool] = False
     schedule: Schedule = Schedule.constant
     warmup_updates: int = 0  # linear warm-up, in optimizer updates
     decay_rate: float = 0.5  # exponential: factor per decay_updates
@@ -354,15 +351,18 @@ GROUPS = {
 
 # The sections whose keys may be a target's arguments: open for keys the schema does not declare
 # (the declared ones keep their types). A key that no run reads is refused before composing
-# (gacli.runner.user_config), except in a section with the user's own _target_.
+# (gacli.runner.user_config), except in a section with the user's own _target_ and in the
+# sections always built by their _target_ (TARGET_SECTIONS).
 OPEN_SECTIONS = ("model", "dataset", "optimizer", "loss")
+# The sections built by their _target_ whatever is chosen: every key but ga-train's own is an
+# argument of the target, so none needs a choice to be read.
+TARGET_SECTIONS = ("optimizer", "loss")
 # The keys of an own section that ga-train reads itself: never passed to its target.
 OWN_SECTION_KEYS = {
     "model": ("_target_", "name", "factory", "kwargs"),
     "dataset": ("_target_", "name", "validation_split", "shuffle", "task", "num_classes"),
     "optimizer": (
         "_target_",
-        "name",
         "learning_rate",
         "schedule",
         "warmup_updates",
@@ -405,8 +405,9 @@ def is_own(section):
 
 
 def shown_name(section):
-    """What a group's section is called in messages: its choice, or the user's own target."""
-    if is_own(section):
+    """What a group's section is called in messages: its choice, or its target (the user's own,
+    or a section always built by its target: optimizer)."""
+    if "name" not in section or is_own(section):
         return str(section._target_)
     return str(getattr(section.name, "value", section.name))
 

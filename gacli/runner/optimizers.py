@@ -12,7 +12,7 @@ import keras
 
 from gacli.engine.schedules import LinearWarmup
 from gacli.runner import targets
-from gacli.runner.config import LRScaling, OptimizerName, Schedule, is_own
+from gacli.runner.config import LRScaling, Schedule
 
 
 def scaled_learning_rate(cfg, effective_batch_size):
@@ -47,28 +47,14 @@ def learning_rate_schedule(cfg, effective_batch_size, total_updates):
 def build_optimizer(cfg, effective_batch_size, total_updates, learning_rate=None):
     """The inner (update-level) Keras optimizer for ``cfg``; ``learning_rate``: a float or a
     schedule in updates to use instead of :func:`learning_rate_schedule`'s (an accumulation
-    schedule's scaled rate)."""
+    schedule's scaled rate).
+
+    A shipped optimizer (``optimizer=adam``: keras.optimizers.Adam) and the user's own
+    (``optimizer._target_=keras.optimizers.Lion``) are built alike: the target is called with the
+    section's arguments, and the schedule, warm-up and scaling stay ga-train's, the target getting
+    their result as its learning_rate."""
     if learning_rate is None:
         learning_rate = learning_rate_schedule(cfg, effective_batch_size, total_updates)
-    if is_own(cfg):
-        # The schedule, warm-up and scaling stay ga-train's: the target gets their result.
-        arguments = targets.own_arguments(cfg, "optimizer")
-        fill = {"learning_rate": learning_rate}
-        return targets.build("optimizer", arguments, targets.OPTIMIZER, fill)
-    common = dict(
-        learning_rate=learning_rate,
-        clipnorm=cfg.clipnorm,
-        global_clipnorm=cfg.global_clipnorm,
-        use_ema=cfg.use_ema,
-    )
-    if cfg.weight_decay and cfg.name != OptimizerName.adamw:
-        common["weight_decay"] = cfg.weight_decay
-    if cfg.name == OptimizerName.sgd:
-        return keras.optimizers.SGD(**common)
-    if cfg.name == OptimizerName.momentum:
-        return keras.optimizers.SGD(momentum=cfg.momentum, **common)
-    if cfg.name == OptimizerName.adam:
-        return keras.optimizers.Adam(**common)
-    if cfg.name == OptimizerName.adamw:
-        return keras.optimizers.AdamW(weight_decay=cfg.weight_decay, **common)
-    return keras.optimizers.RMSprop(**common)
+    arguments = targets.own_arguments(cfg, "optimizer")
+    fill = {"learning_rate": learning_rate}
+    return targets.build("optimizer", arguments, targets.OPTIMIZER, fill)

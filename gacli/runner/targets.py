@@ -1,6 +1,6 @@
 """What the user brings by Hydra's ``_target_``, found, called and checked before training.
 
-A section (``model=own``, ``dataset=own``, ``optimizer=own``, ``loss``) or an entry of ``metrics``
+A section (``model=own``, ``dataset=own``, ``optimizer``, ``loss``) or an entry of ``metrics``
 or ``callbacks`` names a class or function by its import path in ``_target_``; the section's
 other keys are its arguments (docs/guides/own-model.md). :func:`build` imports the target, checks
 the arguments against its signature, fills in what ga-train knows where the target takes it and
@@ -238,6 +238,11 @@ def own_arguments(section, group):
     """The ``_target_`` of an own section and its arguments: the keys that are set (not null),
     but those ga-train reads itself; ``model.kwargs`` are arguments too."""
     values = OmegaConf.to_container(section, resolve=True, enum_to_str=True)
+    if not values.get("_target_") and group == "optimizer":
+        raise ConfigError(
+            f"optimizer._target_ is not set, so no optimizer is named; choose a shipped one, e.g. "
+            f"optimizer=adam, or give your own, e.g. optimizer._target_={EXAMPLE_TARGETS[group]}."
+        )
     if not values.get("_target_"):
         raise ConfigError(
             f"{group}=own builds your own {group} from {group}._target_, which is not set; give "

@@ -15,7 +15,7 @@ import yaml
 
 from gacli.errors import ConfigError
 from gacli.runner import overrides as command_line
-from gacli.runner.config import GROUPS, OPEN_SECTIONS, OWN, TrainConfig
+from gacli.runner.config import GROUPS, OPEN_SECTIONS, OWN, TARGET_SECTIONS, TrainConfig
 
 _DEFAULTS_LINES = "defaults:\n  - /train\n  - _self_"
 
@@ -47,7 +47,7 @@ def unknown_key(key, own=()):
     if key in SCHEMA_KEYS or key == "hydra" or key.startswith(("hydra.", "hydra/")):
         return None  # Hydra's own settings and plugin choices (hydra/launcher=joblib): Hydra's
     parts = key.split(".")
-    if parts[0] in {*own, "loss"} and parts[0] in OPEN_SECTIONS and len(parts) > 1:
+    if parts[0] in {*own, *TARGET_SECTIONS} and parts[0] in OPEN_SECTIONS and len(parts) > 1:
         return None  # the target's arguments: its call checks them (gacli.runner.targets)
     for end in range(len(parts) - 1, 0, -1):
         parent = ".".join(parts[:end])
@@ -64,6 +64,45 @@ def unknown_key(key, own=()):
     )
 
 
+def _shipped(group):
+    """The names of a config group's shipped files."""
+    from importlib import resources
+
+    folder = resources.files("gacli.configs") / group
+    return sorted(e.name[: -len(".yaml")] for e in folder.iterdir() if e.name.endswith(".yaml"))
+
+
+def gone_spelling(key, value=None, where=""):
+    """A ConfigError's message for a spelling that ga-train no longer reads, saying what to type
+    instead, else None. ``where``: how the message starts (the assignment, or the file).
+
+    The optimizer is chosen by its file (optimizer=sgd), whose _target_ names the Keras class:
+    optimizer.name and optimizer=own went with the optimizer registry. Without this check
+    optimizer.name=sgd would be passed to the target as an argument, and refused only after
+    TensorFlow loaded, in the target's terms."""
+    options = _shipped("optimizer")
+    if key == "optimizer.name":
+        shown = str(value) if value is not None else None
+        choose = (
+            f"optimizer={shown}"
+            if shown in options
+            else "optimizer=<name>, one of " + ", ".join(options)
+        )
+        return (
+            f"{where}optimizer.name is no longer read: an optimizer is chosen by its file, whose "
+            f"_target_ names the Keras class (configs/optimizer/sgd.yaml: keras.optimizers.SGD). "
+            f"Type {choose} instead, or optimizer._target_=keras.optimizers.Lion for one of your "
+            "own."
+        )
+    if key == "optimizer" and str(value) == OWN:
+        return (
+            f"{where}optimizer=own is no longer a choice: every optimizer is built from its "
+            "_target_, so give yours alone, e.g. optimizer._target_=keras.optimizers.Lion (it "
+            "replaces the default optimizer's class and keeps its learning_rate)."
+        )
+    return None
+
+
 def own_sections(assignments, content=None):
     """(the groups whose section is the user's own, the ``<group>=own`` overrides to add).
 
@@ -77,10 +116,13 @@ def own_sections(assignments, content=None):
     for entry in content.get("defaults") or []:
         for name, choice in entry.items() if isinstance(entry, dict) else ():
             in_file[str(name).split("/")[-1]] = choice
-    given = {group for group in GROUPS if f"{group}._target_" in chosen}
+    # The optimizer's section is always built by its _target_ (TARGET_SECTIONS): giving one
+    # replaces the chosen file's, and chooses nothing.
+    groups = [group for group in GROUPS if group not in TARGET_SECTIONS]
+    given = {group for group in groups if f"{group}._target_" in chosen}
     written = {
         group
-        for group in GROUPS
+        for group in groups
         if isinstance(content.get(group), dict) and "_target_" in content[group]
     }
     added = [
@@ -88,7 +130,7 @@ def own_sections(assignments, content=None):
         for group in sorted(given | written)
         if group not in chosen and (group in given or group not in in_file)
     ]
-    own = given | written | {g for g in GROUPS if OWN in (chosen.get(g), in_file.get(g))}
+    own = given | written | {g for g in groups if OWN in (chosen.get(g), in_file.get(g))}
     return own, added
 
 
@@ -97,6 +139,9 @@ def check_overrides(assignments, own=()):
     ``own``: the groups whose section is the user's own (:func:`own_sections`)."""
     for assignment in assignments:
         key = assignment.split("=", 1)[0].lstrip("+~")
+        gone = gone_spelling(key, assignment.split("=", 1)[-1], f"{assignment}: ")
+        if gone:
+            raise ConfigError(gone)
         if key in GROUPS or key in ("config", "probe"):
             continue  # a group choice (model=unet): Hydra lists the valid names if it is wrong
         if key.startswith("probe."):
@@ -175,6 +220,26 @@ def _read_user_yaml(path, shown):
     return content
 
 
+def _refuse_gone_in_file(content, shown, group_options):
+    """ConfigError for a spelling of a user's YAML that ga-train no longer reads
+    (:func:`gone_spelling`): ``- override /optimizer: own``, ``optimizer: {name: sgd}``."""
+    for entry in content["defaults"]:
+        for key, choice in entry.items() if isinstance(entry, dict) else ():
+            gone = gone_spelling(key.split("/")[-1], choice, f"config={shown}: ")
+            if gone:
+                raise ConfigError(gone)
+    optimizer = content.get("optimizer")
+    if isinstance(optimizer, dict) and "name" in optimizer:
+        name = optimizer["name"]
+        choice = name if name in group_options.get("optimizer", ()) else "<name>"
+        raise ConfigError(
+            f"config={shown} sets optimizer: {{name: {name}}}, which is no longer read: an "
+            "optimizer is chosen by its file, whose _target_ names the Keras class. Add "
+            f"'- override /optimizer: {choice}' to the defaults list (before _self_) and drop the "
+            "name: line, or give optimizer: {_target_: keras.optimizers.Lion} for one of your own."
+        )
+
+
 def check_user_yaml(path, shown, group_options):
     """ConfigError, naming ``shown`` (the path as given) and the line, for a user's YAML that is
     not valid YAML, is empty, does not start from gacli's defaults, or sets keys nothing reads;
@@ -201,6 +266,7 @@ def check_user_yaml(path, shown, group_options):
     overridden = {
         key.split("/")[-1] for entry in defaults if isinstance(entry, dict) for key in entry
     }
+    _refuse_gone_in_file(content, shown, group_options)
     for group in GROUPS:
         chosen = content.get(group)
         if isinstance(chosen, str) and group not in overridden:

@@ -95,7 +95,7 @@ def _validate_targets(cfg):
             "model.factory=mypkg.models:build_model."
         )
 
-    for group in ("model", "dataset", "optimizer"):
+    for group in ("model", "dataset"):
         section = cfg[group]
         missing = OmegaConf.is_missing(section, "_target_")
         if not missing and section._target_ and not is_own(section):
@@ -107,6 +107,8 @@ def _validate_targets(cfg):
             )
         if is_own(section) and not missing and section._target_:
             _check_target_path(f"{group}._target_", section._target_)
+    # Every optimizer, shipped or the user's, is built by its _target_.
+    _check_target_path("optimizer._target_", cfg.optimizer._target_)
     if cfg.loss._target_ is not None:
         _check_target_path("loss._target_", cfg.loss._target_)
     elif len(cfg.loss) > 1:
@@ -437,7 +439,6 @@ _READ_ONLY_BY = {
     "dataset.features": ("dataset.name", ("tfrecord",)),
     "dataset.input_key": ("dataset.name", ("tfrecord",)),
     "dataset.label_key": ("dataset.name", ("tfrecord",)),
-    "optimizer.momentum": ("optimizer.name", ("momentum",)),
     "optimizer.decay_rate": ("optimizer.schedule", ("exponential",)),
     "optimizer.decay_updates": ("optimizer.schedule", ("cosine", "exponential")),
     "optimizer.base_batch_size": ("optimizer.lr_scaling", ("linear", "sqrt")),

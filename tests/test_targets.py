@@ -14,11 +14,13 @@ from omegaconf import OmegaConf
 from sklearn.datasets import load_digits
 from user_project import nets
 
+from gacli.engine.schedules import LinearWarmup
 from gacli.errors import ConfigError
 from gacli.runner import objective, targets
-from gacli.runner.user_config import own_sections
+from gacli.runner.optimizers import build_optimizer
+from gacli.runner.user_config import check_overrides, check_user_yaml, own_sections
 from gacli.runner.validate import validate
-from helpers import compose_config, ga_train
+from helpers import compose_config, ga_train, shipped
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 USER_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
@@ -224,6 +226,89 @@ def test_a_target_chooses_the_own_section_and_opens_it():
     )
     cfg = compose_config("model=own", "model._target_=a.Net", "model.width=3")
     assert targets.own_arguments(cfg.model, "model") == {"_target_": "a.Net", "width": 3}
+    # The optimizer is always built by its _target_: giving one replaces the file's, choosing
+    # nothing, and its other keys are open as the target's arguments.
+    assert own_sections(["optimizer._target_=keras.optimizers.Lion"]) == (set(), [])
+    check_overrides(["optimizer._target_=keras.optimizers.Lion", "optimizer.beta_1=0.9"])
+
+
+# What the old hand registry of optimizers built for each shipped choice: the shipped files must
+# build the same optimizers (same class, same arguments, so the same update).
+REGISTRY_BUILT = {
+    "adam": lambda rate: keras.optimizers.Adam(rate),
+    "adamw": lambda rate: keras.optimizers.AdamW(rate, weight_decay=0.01),
+    "momentum": lambda rate: keras.optimizers.SGD(rate, momentum=0.9),
+    "rmsprop": lambda rate: keras.optimizers.RMSprop(rate),
+    "sgd": lambda rate: keras.optimizers.SGD(rate),
+}
+
+
+def tiny_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+
+def one_update(optimizer):
+    """A tiny model's weights after ``optimizer`` applied one fixed gradient (same start)."""
+    model = tiny_model()
+    gradients = [np.full(v.shape, 0.5, "float32") for v in model.trainable_variables]
+    optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+    return [v.numpy() for v in model.trainable_variables]
+
+
+def test_every_shipped_optimizer_is_a_target_built_as_a_users_and_updates():
+    """Each file of configs/optimizer is _target_ plus arguments, built by the code that builds
+    a user's optimizer._target_, and makes the optimizer (and the update) the old registry made."""
+    assert sorted(REGISTRY_BUILT) == shipped("gacli.configs", "optimizer")
+    start = [v.numpy() for v in tiny_model().trainable_variables]
+    for name, reference in REGISTRY_BUILT.items():
+        cfg = compose_config(f"optimizer={name}", "optimizer.learning_rate=0.1")
+        validate(cfg)
+        assert "name" not in cfg.optimizer
+        expected = reference(0.1)
+        assert cfg.optimizer._target_ == f"keras.optimizers.{type(expected).__name__}", name
+        made = build_optimizer(cfg.optimizer, effective_batch_size=128, total_updates=10)
+        assert type(made) is type(expected), name
+        assert made.get_config() == {**expected.get_config(), "name": made.name}, name
+        after, wanted = one_update(made), one_update(expected)
+        assert all(np.array_equal(a, b) for a, b in zip(after, wanted, strict=True)), name
+        assert max(np.abs(a - b).max() for a, b in zip(after, start, strict=True)) > 1e-3, name
+    # A target given replaces the default file's class and keeps ga-train's learning rate.
+    cfg = compose_config("optimizer._target_=keras.optimizers.Lion", "optimizer.beta_1=0.8")
+    made = build_optimizer(cfg.optimizer, effective_batch_size=128, total_updates=10)
+    assert type(made) is keras.optimizers.Lion and made.beta_1 == 0.8
+    assert float(made.learning_rate) == pytest.approx(0.003)  # configs/train.yaml's
+    # ga-train's schedule is the learning rate the target gets: 4 updates' warm-up to 0.003.
+    cfg = compose_config("optimizer=sgd", "optimizer.warmup_updates=4")
+    made = build_optimizer(cfg.optimizer, effective_batch_size=128, total_updates=10)
+    assert isinstance(made._learning_rate, LinearWarmup)
+    rates = [float(made._learning_rate(update)) for update in (0, 1, 3, 9)]
+    assert rates == pytest.approx([0.003 / 4, 0.003 * 2 / 4, 0.003, 0.003])
+    # An argument the target does not take is refused in the target's terms (Keras' optimizers
+    # take **kwargs, so Keras names it), before training.
+    with pytest.raises(ConfigError) as refused:
+        build_optimizer(compose_config("optimizer.momentum=0.5").optimizer, 128, 10)
+    assert str(refused.value).startswith(
+        "optimizer._target_=keras.optimizers.Adam raised ValueError: Argument(s) not recognized: "
+        "{'momentum': 0.5}"
+    )
+
+
+def test_the_optimizer_spellings_that_went_are_refused_with_what_to_type(tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        check_overrides(["optimizer.name=sgd"])
+    assert str(refused.value).startswith("optimizer.name=sgd: optimizer.name is no longer read")
+    assert "Type optimizer=sgd instead" in str(refused.value)
+    with pytest.raises(ConfigError, match=r"one of adam, adamw, momentum, rmsprop, sgd instead"):
+        check_overrides(["optimizer.name=adamm"])
+    with pytest.raises(ConfigError, match=r"optimizer=own is no longer a choice"):
+        check_overrides(["optimizer=own", "optimizer._target_=keras.optimizers.Lion"])
+    path = tmp_path / "mine.yaml"
+    path.write_text("defaults:\n  - /train\n  - _self_\noptimizer:\n  name: momentum\n")
+    options = {"optimizer": shipped("gacli.configs", "optimizer")}
+    with pytest.raises(ConfigError) as refused:
+        check_user_yaml(str(path), "mine.yaml", options)
+    assert "'- override /optimizer: momentum' to the defaults list" in str(refused.value)
 
 
 def test_a_sweep_may_optimise_a_metric_of_its_own():

@@ -108,15 +108,16 @@ def _fit_accumulate(make_optimizer, jit_compile):
     return models
 
 
-def custom_loop(model, steps=3, persistent_seed=0):
+def custom_loop(model, steps=3, jit_compile=False):
     """A user's loop under tf.function: (gradients of the last step, final variables)."""
     x, y = make_data(32)
     optimizer = keras.optimizers.SGD(0.1)
 
-    @tf.function
+    @tf.function(jit_compile=jit_compile)
     def step():
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+            predictions = tf.cast(model(x, training=True), "float32")
+            loss = tf.reduce_mean((predictions - y) ** 2)
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return gradients
@@ -127,13 +128,19 @@ def custom_loop(model, steps=3, persistent_seed=0):
 
 
 @pytest.mark.exactness
-def test_r1_custom_loop_gradients_and_statistics_equal():
-    reference = block_stack()
-    gradients, variables = custom_loop(reference)
-    model = block_stack()
-    recomputing = gacli.recompute(model)
-    assert recomputing.trainable_variables == model.trainable_variables  # the same weights
-    recomputed_gradients, recomputed_variables = custom_loop(recomputing)
+@pytest.mark.parametrize("policy, jit_compile", [("float32", False), ("mixed_float16", False)])
+def test_r1_custom_loop_gradients_and_statistics_equal(policy, jit_compile):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        gradients, variables = custom_loop(block_stack(), jit_compile=jit_compile)
+        model = block_stack()
+        recomputing = gacli.recompute(model)
+        assert recomputing.trainable_variables == model.trainable_variables  # the same weights
+        recomputed_gradients, recomputed_variables = custom_loop(
+            recomputing, jit_compile=jit_compile
+        )
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     assert record(weights_difference(gradients, recomputed_gradients)) <= SGD_TOLERANCE
     # model.variables: weights, moving statistics and the dropout layers' seed states.
     assert record(weights_difference(variables, recomputed_variables)) <= SGD_TOLERANCE
@@ -228,7 +235,7 @@ def test_remat_is_saved_with_the_model(tmp_path):
 def test_refusals_name_what_to_pass():
     with pytest.raises(ValueError, match="Did you mean 'block_a'"):
         gacli.wrap_model(TwoBlocks(), accum_steps=2, remat=["blok_a"])
-    with pytest.raises(ValueError, match="subclassed model.*remat=\\['"):
+    with pytest.raises(ValueError, match="subclassed model.*remat=\\['block_a', 'block_b'\\]"):
         gacli.wrap_model(TwoBlocks(), accum_steps=2, remat="every")
     with pytest.raises(ValueError, match="not a choice of blocks"):
         gacli.wrap_model(block_stack(), accum_steps=2, remat=0)

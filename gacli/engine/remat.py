@@ -177,6 +177,7 @@ def find_named_layers(model, names):
     """The layers of ``model`` (at any depth) named ``names``, or a ValueError naming the one
     not found with the nearest name."""
     layers = {layer.name: layer for layer in compat.sublayers(model)}
+    top = [layer.name for layer in model.layers]
     found = []
     for name in names:
         if name not in layers:
@@ -184,9 +185,9 @@ def find_named_layers(model, names):
             hint = f" Did you mean {near[0]!r}?" if near else ""
             raise ValueError(
                 f"remat names layer {name!r}, which model {model.name!r} does not have.{hint} "
-                f"Its layers are: {', '.join(list(layers)[:20])}"
-                f"{', ...' if len(layers) > 20 else ''}. Name the layers to recompute as "
-                "model.get_layer(...) finds them, e.g. remat=['block_1', 'block_2']."
+                f"Its own layers are: {', '.join(top[:20])}{', ...' if len(top) > 20 else ''} "
+                "(and the layers inside them). Name the layers to recompute, each a block, e.g. "
+                f"remat={example_names(model)!r}."
             )
         found.append(layers[name])
     for layer in found:
@@ -202,6 +203,16 @@ def find_named_layers(model, names):
     return found
 
 
+def example_names(model):
+    """Two of ``model``'s own layers, what a refusal shows as layers to name: the first layers
+    made of layers (transformer blocks, residual blocks), else the first with weights."""
+    layers = list(getattr(model, "layers", []))
+    composite = [layer for layer in layers if compat.sublayers(layer)]
+    weighted = [layer for layer in layers if layer.weights]
+    chosen = (composite or weighted or layers)[:2]
+    return [layer.name for layer in chosen] or ["block_1", "block_2"]
+
+
 # -- functional models: blocks at single-tensor boundaries ---------------------------------------
 
 _NORMALIZATION = (
@@ -214,7 +225,7 @@ _NORMALIZATION = (
 
 def _heavy(layer):
     """A layer that starts a block: one with trained weights that is not a normalisation."""
-    return bool(layer.weights) and not isinstance(layer, _NORMALIZATION)
+    return bool(getattr(layer, "weights", None)) and not isinstance(layer, _NORMALIZATION)
 
 
 class GraphPlan:
@@ -264,14 +275,19 @@ class GraphPlan:
             "input used further on, spans the tensors in between), and recomputing "
             + ("the whole model" if count < 2 else f"runs of {remat} of its {count} blocks")
             + " keeps every activation anyway. "
-            + (f"Use a smaller number, e.g. remat={max(1, count // 2)}, or " if count >= 2 else "")
-            + "name the layers to recompute, e.g. remat=['"
-            + ("', '".join(n.operation.name for n in self.nodes[:2]) or "layer")
-            + "'] (each named layer is recomputed as one block)."
+            + (
+                f"Use a smaller number, e.g. remat={max(1, count // 2)}, or name"
+                if count >= 2
+                else "Name"
+            )
+            + f" the layers to recompute, e.g. remat={example_names(self.model)!r} (each named "
+            "layer is recomputed as one block)."
         )
 
     def block_layers(self, start, stop):
-        return [node.operation for node in self.nodes[start:stop]]
+        # Keras operations in the graph (ops called on symbolic tensors) hold no variables.
+        operations = [node.operation for node in self.nodes[start:stop]]
+        return [op for op in operations if isinstance(op, keras.layers.Layer)]
 
 
 def run_graph(model, plan, inputs, training=None, mask=None):
@@ -319,14 +335,12 @@ def plan_for(model, remat):
     elif isinstance(remat, tuple):
         plan = find_named_layers(model, remat)
     elif not compat.is_functional(model) or not model.built:
-        names = [layer.name for layer in model.layers][:3] if model.built else []
         raise ValueError(
             f"remat={remat!r} cuts a functional or Sequential model at its single-tensor "
             f"boundaries; {type(model).__name__} {model.name!r} is a subclassed model (or not "
             "built), whose call gacli cannot cut. Name the layers to recompute instead, each one "
-            "a block, e.g. remat=['"
-            + ("', '".join(names) or "transformer_layer_0")
-            + "'] (its sublayers, such as transformer blocks)."
+            f"a block, e.g. remat={example_names(model)!r} (its sublayers, such as transformer "
+            "blocks)."
         )
     else:
         plan = GraphPlan(compat.graph_of(model), remat)

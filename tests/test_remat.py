@@ -1,4 +1,4 @@
-"""Contract row R1: recomputing activations in the backward pass changes no number a user sees."""
+"""Contract row M1: recomputing activations in the backward pass changes no number a user sees."""
 
 import keras
 import numpy as np
@@ -73,7 +73,7 @@ def fit_pair(make_model, wrapper, optimizer, epochs=1, jit_compile=False, remat_
         ("optimizer", "keep", "adam", False),
     ],
 )
-def test_r1_fit_with_recomputation_equals_fit_without(wrapper, batchnorm, optimizer, jit_compile):
+def test_m1_fit_with_recomputation_equals_fit_without(wrapper, batchnorm, optimizer, jit_compile):
     make_optimizer = {
         "sgd": lambda: keras.optimizers.SGD(0.1),
         "adam": lambda: keras.optimizers.Adam(0.01),
@@ -129,7 +129,7 @@ def custom_loop(model, steps=3, jit_compile=False):
 
 @pytest.mark.exactness
 @pytest.mark.parametrize("policy, jit_compile", [("float32", False), ("mixed_float16", False)])
-def test_r1_custom_loop_gradients_and_statistics_equal(policy, jit_compile):
+def test_m1_custom_loop_gradients_and_statistics_equal(policy, jit_compile):
     keras.mixed_precision.set_global_policy(policy)
     try:
         gradients, variables = custom_loop(block_stack(), jit_compile=jit_compile)
@@ -146,7 +146,7 @@ def test_r1_custom_loop_gradients_and_statistics_equal(policy, jit_compile):
     assert record(weights_difference(variables, recomputed_variables)) <= SGD_TOLERANCE
 
 
-def test_naive_recomputation_fails_what_r1_asserts(monkeypatch):
+def test_naive_recomputation_fails_what_m1_asserts(monkeypatch):
     """tf.recompute_grad on its own (nothing put back around the second pass) updates the moving
     statistics twice and draws new dropout masks: the same comparison fails."""
     _, variables = custom_loop(block_stack())
@@ -206,7 +206,7 @@ class TwoBlocks(keras.Model):
 
 
 @pytest.mark.exactness
-def test_r1_subclassed_model_with_named_blocks():
+def test_m1_subclassed_model_with_named_blocks():
     x, y = make_data(70)
     models = []
     for choice in (None, ["block_a", "block_b"]):
@@ -249,3 +249,26 @@ def test_refusals_name_what_to_pass():
         gacli.recompute(spanned)
     with pytest.raises(ValueError, match="runs of 3 of its 3 blocks"):
         gacli.recompute(block_stack(), remat=3)  # 3 blocks (2 and the head): one run of all
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("wrapper", ["model", "optimizer"])
+def test_m1_check_equivalence_runs_with_recomputation_on(wrapper):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="tanh")(keras.layers.Dense(8)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    x, y = make_data(64)
+    result = gacli.check_equivalence(
+        model,
+        x,
+        y,
+        accum_steps=4,
+        micro_batch_size=16,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        wrapper=wrapper,
+        config=gacli.AccumulationConfig(accum_steps=4, remat="every"),
+    )
+    assert result.settings["remat"] == "every"
+    assert result.passed and record(result.max_abs_diff) <= SGD_TOLERANCE

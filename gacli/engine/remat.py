@@ -1,4 +1,4 @@
-"""Recomputation of activations in the backward pass (contract row R1).
+"""Recomputation of activations in the backward pass (contract row M1).
 
 A block of layers run under recomputation keeps only its input for the backward pass; the
 activations inside it are computed again there, from that input, when its gradient is needed. Its

@@ -43,6 +43,8 @@ _LAZY = {
     "TF32": "gacli.engine.options",
     "tf32_mode": "gacli.engine.tf32",
     "tf32_enabled": "gacli.engine.tf32",
+    "recompute": "gacli.engine.remat",
+    "Recompute": "gacli.engine.remat",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
@@ -54,6 +56,7 @@ _SERIALIZABLE = (
     "gacli.engine.accumulate_model",
     "gacli.engine.batchnorm",
     "gacli.engine.schedules",
+    "gacli.engine.remat",
 )
 
 

@@ -397,3 +397,97 @@ def _several_steps_function(model, step_function, steps):
         return outputs.get_value()
 
     return function
+
+
+# -- recomputation (remat.py) -----------------------------------------------------------------
+
+
+def raw_variable(variable):
+    """The backend variable under a Keras variable: reading it is not cast by a mixed-precision
+    autocast scope (``KerasVariable.value`` is)."""
+    return getattr(variable, "_value", variable)
+
+
+@contextlib.contextmanager
+def call_context(training):
+    """A Keras call context with ``training`` set, where none is open (the backward pass, which
+    runs a recomputed block after its model's call has returned): a layer called without
+    ``training=`` inherits it, as it did in the first pass."""
+    from keras.src.backend.common import global_state
+    from keras.src.layers.layer import CallContext
+
+    if global_state.get_global_attribute("current_call_ctx") is not None or training is None:
+        yield
+        return
+    context = CallContext(entry_layer=None)
+    context.training = training
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", None)
+
+
+def graph_of(model):
+    """The functional graph that runs ``model`` (a Sequential model's inner one)."""
+    return getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
+
+
+def graph_nodes(model):
+    """A functional model's nodes in the order its call runs them (Keras' ``_run_through_graph``:
+    by decreasing depth), those it would skip left out."""
+    nodes = []
+    known = {id(x) for x in model.inputs}
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            if not node.operation or node.is_input:
+                continue
+            if any(id(x) not in known for x in node.input_tensors):
+                continue
+            nodes.append(node)
+            known.update(id(x) for x in node.outputs)
+    return nodes
+
+
+def run_graph_node(model, node, tensors, training):
+    """Call ``node``'s layer on the tensors it takes from ``tensors`` (by id of the symbolic
+    tensor), passing ``training`` as a functional call does; its outputs go into ``tensors``."""
+    args, kwargs = node.arguments.fill_in(tensors)
+    # Keras 3.13 added the mapping of nodes to operations (for NNX) and call-context arguments.
+    get_operation = getattr(model, "_get_operation_for_node", None)
+    operation = get_operation(node) if get_operation is not None else node.operation
+    takes_training = (
+        "training" in operation._call_context_args
+        if hasattr(operation, "_call_context_args")
+        else getattr(operation, "_call_has_training_arg", False)
+    )
+    if training is not None and takes_training:
+        kwargs["training"] = training
+    outputs = operation(*args, **kwargs)
+    for x, y in zip(node.outputs, keras.tree.flatten(outputs), strict=False):
+        tensors[id(x)] = y
+
+
+def graph_inputs(model, inputs):
+    """``inputs`` as the flat list a functional model's graph takes."""
+    return model._standardize_inputs(inputs)
+
+
+def graph_outputs(model, outputs):
+    """The flat list ``outputs`` in the structure the functional model returns."""
+    packed = keras.tree.pack_sequence_as(model._outputs_struct, outputs)
+    return packed[0] if isinstance(packed, list) and len(packed) == 1 else packed
+
+
+def get_keras_mask(tensor):
+    """The mask Keras carries on ``tensor`` (an Embedding's ``mask_zero``, Masking), or None."""
+    from keras.src import backend
+
+    return backend.get_keras_mask(tensor) if tf.is_tensor(tensor) else None
+
+
+def set_keras_mask(tensor, mask):
+    """Carry ``mask`` on ``tensor`` as Keras does between layers."""
+    from keras.src import backend
+
+    backend.set_keras_mask(tensor, mask)

@@ -28,6 +28,8 @@ from gacli.engine.batchnorm import (
 )
 from gacli.engine.host_memory import HostMemoryCallback
 from gacli.engine.options import LossNormalization, NonFinite, Reduction
+from gacli.engine.remat import plan_for as remat_plan
+from gacli.engine.remat import recomputing_call
 from gacli.engine.settings import (
     OLDER_SETTING_NAMES,
     AccumulationConfig,
@@ -201,7 +203,8 @@ class AccumulationMixin(compat.KerasWorkarounds):
             # micro-batch is unscaled with its own scale and overflows follow `nonfinite`.
             config = settings.for_policy(self.dtype_policy.name)
             return GradientAccumulateOptimizer(
-                optimizer, config=config.replace(loss_normalization=LossNormalization.batch)
+                optimizer,
+                config=config.replace(loss_normalization=LossNormalization.batch, remat=None),
             )
         if optimizer.accum_steps != self.accum_steps:
             raise ValueError(
@@ -435,6 +438,9 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
             otherwise unchecked).
         loss_normalization: ``"batch"`` (Keras' semantics) or ``"window_weights"``: divide by the
             window's total sample weight, e.g. its unmasked tokens, over all replicas.
+        remat: recompute activations in the backward pass instead of keeping them: ``"every"``
+            (each block between single tensors), ``n`` (runs of ``n`` blocks) or a list of layer
+            names (each one a block); see :func:`gacli.recompute`. No number changes.
         *args: ``keras.Model``'s positional arguments, after the ones above.
         config: every setting above at once, as a ``gacli.AccumulationConfig``.
         **kwargs: ``inputs=...``, ``outputs=...``, ``name=...`` as for ``keras.Model``, and the
@@ -482,6 +488,14 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
             loss_normalization=loss_normalization,
             **settings,
         )
+        # A choice of blocks that cannot be made is refused now, not at the first step.
+        remat_plan(self, self.accumulation_config.remat)
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        remat = self.accumulation_config.remat
+        if remat is None or kwargs:
+            return super().call(inputs, training=training, mask=mask, **kwargs)
+        return recomputing_call(self, remat, inputs, training=training, mask=mask)
 
     def get_config(self):
         if compat.is_functional(self):
@@ -526,9 +540,19 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
         self.accumulation_config = _model_settings(
             config, mixed_precision, accum_steps=accum_steps, **settings
         )
+        remat_plan(model, self.accumulation_config.remat)
 
     def call(self, inputs, training=None):
-        return self.model(inputs, training=training)
+        remat = self.accumulation_config.remat
+        if remat is None:
+            return self.model(inputs, training=training)
+        return recomputing_call(
+            self.model,
+            remat,
+            inputs,
+            training=training,
+            plain_call=lambda: self.model(inputs, training=training),
+        )
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         # The wrapped model's own compute_loss, where its class defines one, is the loss it

@@ -250,6 +250,12 @@ def _optimizer_settings(config, kwargs, mixed_precision, **given):
             "which an optimizer never sees); pass it to gacli.GradientAccumulateModel or "
             "gacli.wrap_model."
         )
+    if config.remat is not None:
+        raise ValueError(
+            "remat is a setting of the model wrappers (it changes how the model runs, which an "
+            "optimizer never sees); pass it to gacli.wrap_model, or run the model as "
+            f"gacli.recompute(model, remat={config.remat!r}) with this optimizer."
+        )
     return config.for_policy(keras.mixed_precision.global_policy().name)
 
 

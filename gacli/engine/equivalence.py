@@ -55,6 +55,7 @@ from gacli.engine.options import (
     Reduction,
     parse_option,
 )
+from gacli.engine.remat import recompute
 from gacli.engine.settings import AccumulationConfig, refuse_unknown_keywords
 
 # The contract's tolerances (docs/contract.md, E1): float32 round-off after one update. Adaptive
@@ -531,10 +532,11 @@ class EquivalenceCheck:
             else:
                 from gacli.engine.clipping import agc_unit_axes
 
-                trainer = model
+                # Recomputation is the model's, not the optimizer's: the model runs it.
+                trainer = recompute(model, config.remat) if config.remat is not None else model
                 optimizer = GradientAccumulateOptimizer(
                     inner,
-                    config=config,
+                    config=config.replace(remat=None),
                     agc_unit_axes=agc_unit_axes(model) if config.use_agc else None,
                 )
             trainer.compile(

@@ -20,6 +20,9 @@ from gacli.engine.options import (
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
+# remat: each block of a functional model (gacli/engine/remat.py).
+EVERY = "every"
+
 
 def validate_accum_steps(accum_steps):
     """Return ``accum_steps`` as an int >= 1, or raise a ValueError that says what to pass."""
@@ -41,6 +44,35 @@ def _positive(value, name, example):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise ValueError(f"{name}={value!r} must be a number > 0, e.g. {name}={example}.")
     return value
+
+
+def parse_remat(value):
+    """``remat`` as stored: None (off), ``"every"``, an int >= 1 or a tuple of layer names; a
+    ValueError that says what to pass for anything else."""
+    if isinstance(value, str) and value.lower() in ("off", "none", "false"):
+        return None
+    if value is None or value is False:
+        return None
+    if value is True or (isinstance(value, str) and value.lower() == EVERY):
+        return EVERY
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(remat_choices(value))
+        return EVERY if value == 1 else int(value)
+    if isinstance(value, str) and value.strip():
+        return (value,)  # one layer's name
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return tuple(dict.fromkeys(value))
+    raise ValueError(remat_choices(value))
+
+
+def remat_choices(value):
+    return (
+        f"remat={value!r} is not a choice of blocks to recompute. Pass remat='every' (each block "
+        "of a functional or Sequential model), remat=n (runs of n consecutive blocks, e.g. "
+        "remat=2), remat=['layer_name', ...] (named layers of any model, e.g. a subclassed "
+        "model's or a KerasHub backbone's transformer layers) or remat=None (off, the default)."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +104,10 @@ class AccumulationConfig:
             whole), by the optimizer's update count: the others' squared norms are not computed
             (the conditional that skips them still costs a little without XLA).
         noise_scale_decay: the decay of its moving averages, per measured window.
+        remat: recompute activations in the backward pass instead of keeping them (model
+            wrappers only; :func:`gacli.recompute` for other models): ``None`` (off),
+            ``"every"`` (each block of a functional or Sequential model), ``n`` (runs of ``n``
+            blocks) or a tuple of layer names (each named layer one block). No number changes.
     """
 
     accum_steps: int = 1
@@ -89,6 +125,7 @@ class AccumulationConfig:
     noise_scale: bool = False
     noise_scale_every: int = 1
     noise_scale_decay: float = 0.95
+    remat: str | int | tuple | None = None
 
     def __post_init__(self):
         def set_(name, value):
@@ -136,6 +173,7 @@ class AccumulationConfig:
                 "measurements), e.g. noise_scale_every=4."
             )
         set_("noise_scale_every", int(every))
+        set_("remat", parse_remat(self.remat))
         if self.noise_scale and self.reduction is Reduction.sum:
             raise ValueError(
                 "noise_scale compares mean gradients of two batch sizes; reduction='sum' gives "
@@ -192,7 +230,7 @@ class AccumulationConfig:
     def to_dict(self):
         """Plain values (strings for the choices): what ``get_config`` stores."""
         return {
-            name: getattr(value, "value", value)
+            name: list(value) if isinstance(value, tuple) else getattr(value, "value", value)
             for name, value in ((name, getattr(self, name)) for name in self.fields())
         }
 

@@ -309,6 +309,12 @@ def test_the_optimizer_spellings_that_went_are_refused_with_what_to_type(tmp_pat
     with pytest.raises(ConfigError) as refused:
         check_user_yaml(str(path), "mine.yaml", options)
     assert "'- override /optimizer: momentum' to the defaults list" in str(refused.value)
+    # Every other key of the optimizer section is the class's argument, but one this close to a
+    # key ga-train reads is its misspelling, refused before TensorFlow loads.
+    for misspelt, meant in (("learnig_rate", "learning_rate"), ("momentun", "momentum")):
+        with pytest.raises(ConfigError, match=rf"did you mean optimizer\.{meant}\?"):
+            check_overrides([f"optimizer.{misspelt}=0.1"])
+    check_overrides(["optimizer.ema_momentum=0.9", "optimizer.clipvalue=1", "optimizer.beta_1=0.8"])
 
 
 def test_a_sweep_may_optimise_a_metric_of_its_own():

@@ -438,13 +438,13 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
             otherwise unchecked).
         loss_normalization: ``"batch"`` (Keras' semantics) or ``"window_weights"``: divide by the
             window's total sample weight, e.g. its unmasked tokens, over all replicas.
-        remat: recompute activations in the backward pass instead of keeping them: ``"every"``
-            (each block between single tensors), ``n`` (runs of ``n`` blocks) or a list of layer
-            names (each one a block); see :func:`gacli.recompute`. No number changes.
         *args: ``keras.Model``'s positional arguments, after the ones above.
         config: every setting above at once, as a ``gacli.AccumulationConfig``.
-        **kwargs: ``inputs=...``, ``outputs=...``, ``name=...`` as for ``keras.Model``, and the
-            settings named above.
+        **kwargs: ``inputs=...``, ``outputs=...``, ``name=...`` as for ``keras.Model``, the
+            settings named above, and ``remat=``: recompute activations in the backward pass
+            instead of keeping them: ``"every"`` (each block between single tensors), ``n``
+            (runs of ``n`` blocks) or a list of layer names (each one a block); see
+            :func:`gacli.recompute`. No number changes.
 
     Example:
         >>> model = GradientAccumulateModel(accum_steps=4, inputs=base.input, outputs=base.output)

@@ -48,7 +48,15 @@ def unknown_key(key, own=()):
         return None  # Hydra's own settings and plugin choices (hydra/launcher=joblib): Hydra's
     parts = key.split(".")
     if parts[0] in {*own, *TARGET_SECTIONS} and parts[0] in OPEN_SECTIONS and len(parts) > 1:
-        return None  # the target's arguments: its call checks them (gacli.runner.targets)
+        near = _near_declared(parts) if parts[0] in TARGET_SECTIONS else None
+        if near is None:
+            return None  # the target's arguments: its call checks them (gacli.runner.targets)
+        return (
+            f"{key} is not a key ga-train reads, so setting it would change nothing; did you "
+            f"mean {near}? (Any other key of the {parts[0]} section is passed to its _target_ "
+            "as an argument; a name this close to one of ga-train's own keys is taken for a "
+            "misspelling of it.)"
+        )
     for end in range(len(parts) - 1, 0, -1):
         parent = ".".join(parts[:end])
         if parent in SCHEMA_KEYS:
@@ -62,6 +70,28 @@ def unknown_key(key, own=()):
         "ga-train --cfg job lists every key with its value, and the config reference "
         "(docs/reference/config.md) says what each does."
     )
+
+
+# How alike (difflib's ratio) an argument of a section always built by its _target_ and one of the
+# section's declared keys must be to be taken for a misspelling: learnig_rate / learning_rate is
+# 0.96, momentun / momentum 0.88, while arguments of Keras' own optimizers stay below it
+# (ema_momentum / momentum 0.80, clipvalue / clipnorm 0.59).
+_MISSPELT = 0.85
+
+
+def _near_declared(parts):
+    """``section.key``, the declared key of that section that the undeclared argument ``parts``
+    (a dotted key split) is a near miss of; None when there is none or the key is nested."""
+    if len(parts) != 2:
+        return None
+    section = parts[0] + "."
+    declared = [
+        key[len(section) :]
+        for key in SCHEMA_KEYS
+        if key.startswith(section) and "." not in key[len(section) :]
+    ]
+    close = difflib.get_close_matches(parts[1], declared, n=1, cutoff=_MISSPELT)
+    return section + close[0] if close else None
 
 
 def _shipped(group):

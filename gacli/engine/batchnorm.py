@@ -35,6 +35,13 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     def __init__(self, accum_steps=1, **kwargs):
         from gacli.engine.accumulation import validate_accum_steps
 
+        # First: Keras 3.11 has no renorm keyword, so the check below would call it unknown.
+        if kwargs.get("renorm"):
+            raise ValueError(
+                "AccumBatchNormalization does not support renorm=True (batch renormalisation "
+                "corrects each micro-batch by its own statistics); use batchnorm policy 'keep' "
+                "with keras.layers.BatchNormalization(renorm=True), or 'group_norm'."
+            )
         # Keras' own refusal of an unknown keyword is a ValueError that names no near one.
         refuse_unknown_keywords(
             f"{type(self).__name__}()",
@@ -50,12 +57,6 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 "input_dim",
             ),
         )
-        if kwargs.get("renorm"):
-            raise ValueError(
-                "AccumBatchNormalization does not support renorm=True (batch renormalisation "
-                "corrects each micro-batch by its own statistics); use batchnorm policy 'keep' "
-                "with keras.layers.BatchNormalization(renorm=True), or 'group_norm'."
-            )
         super().__init__(**kwargs)
         self.accum_steps = validate_accum_steps(accum_steps)
 

@@ -44,3 +44,10 @@ class Interrupted(Exception):
     def __init__(self, message, exit_code):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def first_line(error):
+    """An error's message as a refusal quotes it: its first line, at most 300 characters (the
+    exception's type where it has no message)."""
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:300]

@@ -34,7 +34,7 @@ import time
 import urllib.error
 import urllib.request
 
-from gacli.errors import ConfigError
+from gacli.errors import ConfigError, first_line
 from gacli.rundir import read_json, write_json
 from gacli.runner.loggers import ScalarWriter
 
@@ -264,8 +264,7 @@ class MlflowRun(ScalarWriter):
             run.log_params(flat_params(resolved))
         except _store_errors() as error:
             raise ConfigError(
-                f"mlflow.tracking_uri={uri}: MLflow cannot use it ({_first_line(error)}). "
-                f"{_INSTEAD}"
+                f"mlflow.tracking_uri={uri}: MLflow cannot use it ({first_line(error)}). {_INSTEAD}"
             ) from None
         write_json(os.path.join(run_dir, RUN_FILE), {"tracking_uri": uri, "run_id": run_id})
         return run
@@ -301,7 +300,7 @@ class MlflowRun(ScalarWriter):
                     self._warned = True
                     print(
                         f"ga-train: MLflow did not take the metrics of run {self.run_id} "
-                        f"({_first_line(error)}); trying again at the next checkpoint.",
+                        f"({first_line(error)}); trying again at the next checkpoint.",
                         file=sys.stderr,
                     )
                 return
@@ -331,14 +330,10 @@ class MlflowRun(ScalarWriter):
         except _store_errors() as error:
             print(
                 f"ga-train: MLflow run {self.run_id} could not be ended as {status} "
-                f"({_first_line(error)}); the run directory holds its "
+                f"({first_line(error)}); the run directory holds its "
                 "metrics and files.",
                 file=sys.stderr,
             )
-
-
-def _first_line(error):
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 def _kept_run(client, uri, run_dir):

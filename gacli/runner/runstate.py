@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from gacli.engine.random_state import random_state
-from gacli.errors import ConfigError, Interrupted
+from gacli.errors import ConfigError, Interrupted, first_line
 from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, looks_intact, read_json, write_json
 
 
@@ -200,7 +200,7 @@ class RunState:
         try:
             self._restore_from(prefix, warn)
         except ValueError as error:  # the model's code changed in a way not checked above
-            raise ConfigError(_changed_model_message(prefix, _first_line(error))) from None
+            raise ConfigError(_changed_model_message(prefix, first_line(error))) from None
         if self.chief:
             self._set_aside(damaged, warn)
             intact = [
@@ -336,11 +336,6 @@ def _changed_model_message(prefix, difference):
         "began; restore it as it was to continue this run, or start a new run without resume= "
         "for the changed model."
     )
-
-
-def _first_line(error):
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def checkpoint_damage(prefix):

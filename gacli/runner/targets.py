@@ -23,7 +23,7 @@ from typing import Callable
 import keras
 from omegaconf import OmegaConf
 
-from gacli.errors import ConfigError
+from gacli.errors import ConfigError, first_line
 from gacli.runner.config import EXAMPLE_TARGETS, OWN_SECTION_KEYS, is_own
 
 
@@ -116,7 +116,7 @@ def locate(key, path):
         except Exception as failure:  # the user's module raised while it was being imported
             raise ConfigError(
                 f"{key}={path} cannot be imported: importing {name} raised "
-                f"{type(failure).__name__}: {_first_line(failure)}. Fix that module; "
+                f"{type(failure).__name__}: {first_line(failure)}. Fix that module; "
                 "HYDRA_FULL_ERROR=1 shows where it raised."
             ) from failure
     if module is None:
@@ -173,12 +173,12 @@ def build(where, values, kind, fill=None):
         cause = failure.__cause__ or failure
         raise ConfigError(
             f"{key}={path}: an argument's _target_ failed ({type(cause).__name__}: "
-            f"{_first_line(cause)}); fix that argument of {where}."
+            f"{first_line(cause)}); fix that argument of {where}."
         ) from failure
     except Exception as failure:  # the user's code raised: its message, then what to do
         called = ", ".join(f"{n}={_short(v)}" for n, v in {**arguments, **filled}.items())
         raise ConfigError(
-            f"{key}={path} raised {type(failure).__name__}: {_first_line(failure)} (called with "
+            f"{key}={path} raised {type(failure).__name__}: {first_line(failure)} (called with "
             f"{called or 'no arguments'}). Fix the arguments ({where}.<name>=...) or the code; "
             "HYDRA_FULL_ERROR=1 shows where it raised."
         ) from failure
@@ -356,16 +356,6 @@ def described(value):
     article = "an" if kind.__name__[:1].lower() in "aeiou" else "a"
     origin = "" if kind.__module__ == "builtins" else f" (from {kind.__module__})"
     return f"{article} {kind.__name__}{origin}"
-
-
-def _first_line(error):
-    text = str(error).strip()
-    return (text.splitlines()[0] if text else type(error).__name__)[:300]
-
-
-def first_line(error):
-    """An error's message as a refusal quotes it: its first line, at most 300 characters."""
-    return _first_line(error)
 
 
 def _short(value):

@@ -261,8 +261,6 @@ def build_library_config(spec):
 
     import gacli
     from gacli.runner.build import loss_and_metrics
-    from gacli.runner.config import ModelConfig
-    from gacli.runner.models import build_model
 
     name, k = spec["config"], spec["accum_steps"]
     name = "A" if name == "A_again" else name
@@ -271,9 +269,7 @@ def build_library_config(spec):
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).repeat()
 
     keras.utils.set_random_seed(spec["seed"])
-    model = build_model(
-        ModelConfig(**spec["model"]), tuple(spec["input_shape"]), spec["num_outputs"], spec["task"]
-    )
+    model = shipped_model(spec)
     loss, metrics = loss_and_metrics(spec["task"], spec["num_outputs"])
     if name == "C":
         optimizer = keras.optimizers.SGD(LEARNING_RATE, gradient_accumulation_steps=k)
@@ -404,6 +400,16 @@ def run_ga_train(spec, timer_window, job_dir):
         rss_before_fit_bytes=rss_before_fit,
         overrides=overrides,
     )
+
+
+def shipped_model(spec):
+    """The shipped model that ``spec["model"]`` names ({"name": "unet", its arguments}), built
+    by the function its config file names (configs/model/unet.yaml: gacli.models.unet)."""
+    import gacli.models
+
+    arguments = dict(spec["model"])
+    build = getattr(gacli.models, arguments.pop("name"))
+    return build(tuple(spec["input_shape"]), spec["num_outputs"], spec["task"], **arguments)
 
 
 def ga_train_overrides(spec, data_path, updates, gns):

@@ -44,16 +44,13 @@ HERE = Path(__file__).resolve().parent
 
 def build(spec, jit, noise_scale, data, nonfinite=None):
     import keras
+    from bench import shipped_model
 
     import gacli
     from gacli.runner.build import loss_and_metrics
-    from gacli.runner.config import ModelConfig
-    from gacli.runner.models import build_model
 
     keras.utils.set_random_seed(0)
-    model = build_model(
-        ModelConfig(**spec["model"]), tuple(spec["input_shape"]), spec["num_outputs"], spec["task"]
-    )
+    model = shipped_model(spec)
     loss, metrics = loss_and_metrics(spec["task"], spec["num_outputs"])
     k = spec["accum_steps"]
     model = gacli.wrap_model(model, accum_steps=k, noise_scale=noise_scale, nonfinite=nonfinite)

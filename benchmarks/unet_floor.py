@@ -31,9 +31,6 @@ import bench  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from gacli.runner.config import ModelConfig
-from gacli.runner.models import build_model  # noqa: E402
-
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,9 +44,7 @@ def main():
     spec = bench.MODELS["unet"]
     micro, k = spec["micro_batch_size"], spec["accum_steps"]
     keras.utils.set_random_seed(0)
-    model = build_model(
-        ModelConfig(**spec["model"]), tuple(spec["input_shape"]), spec["num_outputs"], spec["task"]
-    )
+    model = bench.shipped_model(spec)
     optimizer = keras.optimizers.SGD(bench.LEARNING_RATE)
     optimizer.build(model.trainable_variables)
     loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)

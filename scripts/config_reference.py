@@ -292,7 +292,7 @@ def group_section(group, schema, cfg, config):
         name = entry.name[:-5]
         values = OmegaConf.to_container(OmegaConf.load(str(entry)))
         sets = ", ".join(
-            f"`{k}: {shown(v)}`" for k, v in values.items() if k not in ("name", "policy")
+            f"`{k}: {shown(v)}`" for k, v in values.items() if k not in ("_target_", "policy")
         )
         mark = " (default job)" if shown(chosen) == name else ""
         rows.append(
@@ -305,7 +305,56 @@ def group_section(group, schema, cfg, config):
         "",
     ]
     choices = ["| choice | sets | what it is |", "| --- | --- | --- |", *rows]
-    return "\n".join(head + choices + ["", table(key_rows(schema, f"{group}.", cfg, config))])
+    keys = ["", table(key_rows(schema, f"{group}.", cfg, config))]
+    return "\n".join(head + choices + keys + shipped_arguments(group, folder, config))
+
+
+def shipped_arguments(group, folder, config):
+    """For the groups whose files name a function of gacli (model, dataset): each file's target
+    with its docstring and its arguments, read from the function's signature, as the config's
+    keys are (the data's values that ga-train fills in left out)."""
+    import importlib
+
+    from omegaconf import OmegaConf
+
+    from gacli.runner.arguments import FILLED
+
+    if group not in config.SHIPPED:
+        return []
+    lines = [
+        "",
+        f"Each file's `_target_` is a function of `{config.SHIPPED[group]}`, and every other key "
+        "of the file is one of its arguments; its other arguments keep the defaults below. "
+        f"`{group}.<argument>=` sets one (a key that the chosen function does not take is "
+        "refused before TensorFlow loads).",
+    ]
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".yaml"):
+            continue
+        target = str(OmegaConf.load(str(entry))._target_)
+        module, _, name = target.rpartition(".")
+        function = getattr(importlib.import_module(module), name)
+        summary = " ".join(inspect.getdoc(function).split("\n\n")[0].split())
+        rows = [
+            f"| `{group}.{parameter.name}` | {shown(parameter.default)} |"
+            if parameter.default is not inspect.Parameter.empty
+            else f"| `{group}.{parameter.name}` | required |"
+            for parameter in inspect.signature(function).parameters.values()
+            if parameter.name not in FILLED[group]
+            and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+            and parameter.name not in config.OWN_SECTION_KEYS[group]
+        ]
+        lines += [
+            "",
+            f"### `{group}={entry.name[:-5]}`: `{target}`",
+            "",
+            cell(summary),
+            "",
+            "| argument | default |",
+            "| --- | --- |",
+            *rows,
+        ]
+    return lines
 
 
 def recipe_section():

@@ -1,4 +1,5 @@
-"""A user's own model factory, as `ga-train model.factory=factories:tiny_classifier` imports it."""
+"""A user's own model functions, as `ga-train model._target_=factories.tiny_classifier` imports
+them."""
 
 import keras
 from user_project.nets import Net

@@ -307,10 +307,14 @@ def shipped(package, group=None):
 
 def compose_config(*overrides):
     """ga-train's config for ``overrides``, composed in-process (quiet unless progress= given)."""
+    from gacli.runner.user_config import replaced_sections
+
     register_configs()
     with initialize_config_module("gacli.configs", version_base="1.3"):
         quiet = [] if any(o.startswith("progress=") for o in overrides) else ["progress=none"]
-        return compose("train", overrides=[*quiet, *overrides])
+        # As ga-train does: model._target_=... alone replaces the default model's file.
+        deleted = replaced_sections(list(overrides))
+        return compose("train", overrides=[*quiet, *deleted, *overrides])
 
 
 def ga_train_big_batch_reference(cfg, window, learning_rates=None):
@@ -474,7 +478,7 @@ def noise_scale_errors(run):
 
 
 def gns_softmax_model(input_shape, num_outputs, task, descent_steps=0, label_noise=1.0):
-    """A ``model.factory`` for ga-train: softmax regression on ``noise_scale_data(label_noise)``,
+    """A model ``_target_`` for ga-train: softmax regression on ``noise_scale_data(label_noise)``,
     its weights ``descent_steps`` steps of full-batch gradient descent (rate 1) from zero: the
     more steps, the nearer the optimum, where the gradient is small beside its noise (a larger
     B_simple)."""

@@ -55,7 +55,7 @@ CHECK = """
 import sys
 from gacli.runner.cli import main
 try:
-    main(sys.argv[1:])
+    print("exit code:", main(sys.argv[1:]))  # refused before Hydra starts: returns the code
 except SystemExit as stop:
     print("exit code:", stop.code)
 print("tensorflow imported:", "tensorflow" in sys.modules)
@@ -70,8 +70,11 @@ BAD = [
     (("accum_schedule=gns",), "accum_schedule=gns grows accum_steps with the measured"),
     (("accum_schedule=gns", "monitor.gns=true", "accum_steps=1"), "accum_schedule=gns starts"),
     (("accum_schedule={0:1,10:2}",), "accum_schedule: epoch 10 is past the run's last epoch"),
-    (("lr_scaling=linear",), "lr_scaling=linear scales the learning rate between the stages"),
-    ((SCHEDULE, "lr_scaling=sqrt", "optimizer.lr_scaling=linear"), "lr_scaling=sqrt and"),
+    (("lr_scaling=linear",), "lr_scaling=linear scales the learning rate with the effective"),
+    (
+        (SCHEDULE, "lr_scaling=sqrt", "optimizer.lr_scaling=linear"),
+        "optimizer.lr_scaling=linear: optimizer.lr_scaling is no longer read",
+    ),
     ((SCHEDULE, "partial_window=carry"), "accum_schedule changes accum_steps at epoch starts"),
 ]
 
@@ -408,9 +411,8 @@ def _gns_job(path):
         "dataset.validation_split=0",
         "dataset.shuffle=false",
         # Softmax regression 16 gradient-descent steps from zero: B_simple ~520 (computed below).
-        "model=factory",
-        "model.factory=helpers:gns_softmax_model",
-        "+model.kwargs.descent_steps=16",
+        "model._target_=helpers.gns_softmax_model",
+        "model.descent_steps=16",
         "optimizer=sgd",
         # Weights that barely move: the noise scale stays that of the initial weights.
         "optimizer.learning_rate=1e-9",

@@ -124,7 +124,6 @@ BAD_INPUT = [
 ]
 # Refused once TensorFlow has loaded (the model, the data or the devices are looked at): slow.
 BAD_INPUT_WITH_TENSORFLOW = [
-    (["model.name=transformer"], "ga-train: model.name=transformer is not a known model"),
     (
         ["dataset=npz", "dataset.path=/nonexistent/train.npz"],
         "ga-train: dataset.path=/nonexistent/train.npz does not exist",

@@ -122,7 +122,10 @@ def test_the_three_loggers_hold_the_same_scalars_through_a_resume(resumed_run):
     }
     assert set(run.data.metrics) == {name for name in rows[0] if name not in ("step", "wall_time")}
     params = run.data.params
-    assert (params["optimizer.learning_rate"], params["model.name"]) == ("0.003", "mlp")
+    assert (params["optimizer.learning_rate"], params["model._target_"]) == (
+        "0.003",
+        "gacli.models.mlp",
+    )
     resolved = OmegaConf.load(os.path.join(run_dir, "resolved.yaml"))
     assert params["model.hidden_units"] == json.dumps(list(resolved.model.hidden_units))
     plan = {key: params[f"resolved.{key}"] for key in ("micro_batch_size", "accum_steps")}

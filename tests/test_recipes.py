@@ -21,7 +21,7 @@ PROMISES = [
     (("config=unet.yaml", "accum_steps=8"), "val_iou", "val IoU", 0.93, 0.02),
     (("config=digits_cnn.yaml",), "val_accuracy", "val accuracy", 0.981, 0.01),
     (("config=digits_resnet_mirrored.yaml",), "val_accuracy", "val accuracy", 0.997, 0.01),
-    # Per byte, from gacli.runner.text.Perplexity. Its margin is a guess at another CPU's and
+    # Per byte, from gacli.recipes.text_lm.Perplexity. Its margin is a guess at another CPU's and
     # another Python's help text (a different corpus and split), not a measured spread.
     (("config=text_lm.yaml",), "val_perplexity", "val perplexity", 4.76, 0.3),
 ]

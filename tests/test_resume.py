@@ -347,7 +347,7 @@ def test_a_resumed_run_that_finishes_sets_its_failure_aside_and_frees_its_lock(t
 
 # A model whose layers draw random numbers (user_project.nets.noisy: Gaussian noise inside a
 # nested Sequential, and dropout): one epoch of 45 micro-batches in windows of 4.
-RANDOM_JOB = ("model=own", "model._target_=user_project.nets.noisy", "epochs=1", "accum_steps=4")
+RANDOM_JOB = ("model._target_=user_project.nets.noisy", "epochs=1", "accum_steps=4")
 
 
 def test_resume_is_exact_with_layers_that_draw_random_numbers(tmp_path, monkeypatch):

@@ -11,19 +11,22 @@ from helpers import ga_train
 
 RANGES = [
     ("seed=-1", "seed=-1 must be >= 0 and <= 4294967295"),
-    ("optimizer.base_batch_size=0", "optimizer.base_batch_size=0 must be >= 1"),
+    ("lr_reference_batch=0", "lr_reference_batch=0 must be >= 1"),
     ("model.dropout=1.0", "model.dropout=1.0 must be >= 0.0 and < 1.0"),
     ("optimizer.momentum=-0.1", "optimizer.momentum=-0.1 must be >= 0.0 and <= 1.0"),
     ("optimizer.clipnorm=0", "optimizer.clipnorm=0.0 must be > 0.0"),
     ("optimizer.warmup_updates=-5", "optimizer.warmup_updates=-5 must be >= 0"),
     ("optimizer.weight_decay=-1", "optimizer.weight_decay=-1.0 must be >= 0.0"),
     ("dataset.num_classes=-1", "dataset.num_classes=-1 must be >= 0"),
-    ("model.hidden_units=[64,0]", "model.hidden_units=[64, 0] and model.filters=[16, 32]"),
+    ("model.hidden_units=[64,0]", "model.hidden_units=[64, 0] must hold layer widths >= 1"),
     ("dataset.channels=2", "dataset.channels=2 must be 1 (grey) or 3 (colour)"),
     ("monitor.gns_every=0", "monitor.gns_every=0 must be >= 1"),
 ]
 INERT = [
-    (("dataset.image_size=16",), "dataset.image_size is read only with dataset=shapes or"),
+    (
+        ("dataset.image_size=16",),
+        "dataset.image_size is read only with dataset=image_folder or dataset=shapes",
+    ),
     (("optimizer.clip_factor=0.02",), "optimizer.clip_factor is read only with optimizer.use_agc"),
     (("model.filters=[8]",), "model.filters is read only with model=cnn"),
     (("strategy.logical_cpus=2",), "strategy.logical_cpus is read only with strategy=mirrored"),

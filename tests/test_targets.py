@@ -17,8 +17,9 @@ from user_project import nets
 from gacli.engine.schedules import LinearWarmup
 from gacli.errors import ConfigError
 from gacli.runner import objective, targets
+from gacli.runner.arguments import section_arguments
 from gacli.runner.optimizers import build_optimizer
-from gacli.runner.user_config import check_overrides, check_user_yaml, own_sections
+from gacli.runner.user_config import check_overrides, check_user_yaml, replaced_sections
 from gacli.runner.validate import validate
 from helpers import compose_config, ga_train, shipped
 
@@ -95,7 +96,6 @@ def test_a_model_keras_cannot_rebuild_is_saved_as_weights_that_load_into_it(
     run_dir = tmp_path / "run"
     gacli.runner.run.train(
         compose_config(
-            "model=own",
             "model._target_=user_project.nets.DefaultsNet",
             "model.width=8",
             "epochs=1",
@@ -212,23 +212,26 @@ def test_arguments_are_checked_against_the_targets_signature():
         targets.build("loss", {"_target_": "keras.losses"}, targets.LOSS)
 
 
-def test_a_target_chooses_the_own_section_and_opens_it():
-    assert own_sections(["model._target_=a.Net", "model.width=3"]) == ({"model"}, ["model=own"])
-    assert own_sections(["model=own", "model._target_=a.Net"]) == ({"model"}, [])
+def test_a_target_of_ones_own_replaces_the_default_file():
+    assert replaced_sections(["model._target_=a.Net", "model.width=3"]) == ["~model"]
     written = {"defaults": ["/train", "_self_"], "dataset": {"_target_": "a.make", "path": "x"}}
-    assert own_sections([], written) == ({"dataset"}, ["dataset=own"])
+    assert replaced_sections([], written) == ["~dataset"]
+    cfg = compose_config("model._target_=a.Net", "model.width=3")
+    assert section_arguments(cfg.model, "model") == {"_target_": "a.Net", "width": 3}
+    # With a file of the group chosen too, that file's keys are the target's arguments (a UNet
+    # of one's own that takes the shipped one's depth and base_filters).
+    assert replaced_sections(["model=unet", "model._target_=a.UNet"]) == []
     chosen = {"defaults": ["/train", {"override /model": "cnn"}], "model": {"_target_": "a.Net"}}
-    assert own_sections([], chosen) == ({"model"}, [])  # validate refuses it, naming both
-    with pytest.raises(ConfigError) as refused:
-        validate(compose_config("model=unet", "model._target_=a.Net"))
-    assert str(refused.value).startswith(
-        "model._target_=a.Net names your own model, but this run chooses model=unet"
-    )
-    cfg = compose_config("model=own", "model._target_=a.Net", "model.width=3")
-    assert targets.own_arguments(cfg.model, "model") == {"_target_": "a.Net", "width": 3}
-    # The optimizer is always built by its _target_: giving one replaces the file's, choosing
-    # nothing, and its other keys are open as the target's arguments.
-    assert own_sections(["optimizer._target_=keras.optimizers.Lion"]) == (set(), [])
+    assert replaced_sections([], chosen) == []
+    cfg = compose_config("model=unet", "model._target_=a.UNet")
+    assert section_arguments(cfg.model, "model") == {
+        "_target_": "a.UNet",
+        "depth": 3,
+        "base_filters": 8,
+    }
+    # The optimizer is not replaced: a target of one's own keeps the default's learning_rate,
+    # and its other keys are open as the target's arguments.
+    assert replaced_sections(["optimizer._target_=keras.optimizers.Lion"]) == []
     check_overrides(["optimizer._target_=keras.optimizers.Lion", "optimizer.beta_1=0.9"])
 
 
@@ -369,14 +372,14 @@ def test_a_job_that_would_train_nothing_is_refused_before_training(tmp_path):
     from gacli.runner.data import load_dataset
     from gacli.runner.run import train
 
-    frozen = ("epochs=1", "model=own", "model._target_=user_project.nets.frozen")
+    frozen = ("epochs=1", "model._target_=user_project.nets.frozen")
     with pytest.raises(ConfigError) as refused:
         train(compose_config(*frozen), run_dir=str(tmp_path))
     assert str(refused.value).startswith(
         "the model (user_project.nets.frozen) has 4 weights but none of them is trainable"
     )
     assert not (tmp_path / "result.json").exists()
-    section = compose_config("model=own", "model._target_=user_project.nets.weightless").model
+    section = compose_config("model._target_=user_project.nets.weightless").model
     weightless, half = nets.weightless(10), nets.in_float16(10)
     for model in (weightless, half):
         model(np.zeros((1, 8, 8, 1), "float32"))
@@ -389,7 +392,6 @@ def test_a_job_that_would_train_nothing_is_refused_before_training(tmp_path):
     assert "Add precision=mixed_float16" in str(refused.value)
     check_trainable(half, section, Policy.mixed_float16)  # its loss is scaled there
     weightless_data = compose_config(
-        "dataset=own",
         "dataset._target_=user_project.data.weighted_digits",
         "+dataset.weighted_class=99",  # no digit is a 99: every weight is 0
     ).dataset
@@ -420,7 +422,6 @@ def test_a_run_that_trains_nothing_fails_and_writes_no_result(tmp_path):
     )
     assert not (tmp_path / "labels_only" / "result.json").exists()
     padded = (
-        "dataset=own",
         "dataset._target_=user_project.data.mostly_padding",
         "dataset.shuffle=false",
         "dataset.validation_split=0",
@@ -468,7 +469,6 @@ def test_users_code_that_raises_in_training_is_named_and_the_run_resumes(tmp_pat
         "epochs=2",
         "steps_per_epoch=4",
         "accum_steps=2",
-        "model=own",
         "model._target_=user_project.nets.sequential",
         "model.width=8",
         "loss._target_=user_project.losses.sparse_cross_entropy",
@@ -600,7 +600,7 @@ def test_data_from_a_dataset_target_that_cannot_train_is_refused(monkeypatch):
     from gacli.runner import data
 
     grids = compose_config(
-        "dataset=own", "dataset._target_=user_project.data.grid_targets", "dataset.task=regression"
+        "dataset._target_=user_project.data.grid_targets", "dataset.task=regression"
     ).dataset
     with pytest.raises(ConfigError) as refused:
         data.load_dataset(grids)
@@ -610,7 +610,7 @@ def test_data_from_a_dataset_target_that_cannot_train_is_refused(monkeypatch):
     )
     assert "its targets are of shape (2, 3) a sample" in str(refused.value)
     monkeypatch.setattr(data, "UNKNOWN_SIZE_LIMIT", 3000)
-    endless = compose_config("dataset=own", "dataset._target_=user_project.data.endless").dataset
+    endless = compose_config("dataset._target_=user_project.data.endless").dataset
     with pytest.raises(ConfigError) as refused:
         data.load_dataset(endless)
     assert str(refused.value).startswith(

@@ -1,4 +1,4 @@
-"""The text_lm recipe's pieces (gacli/runner/text.py): the help-topics corpus as padded byte
+"""The text_lm recipe's pieces (recipes/text_lm.py): the help-topics corpus as padded byte
 sequences, the causal transformer, the perplexity metric, and the point of the recipe: with
 padding masks as sample weights, k micro-batches under loss_normalization="window_weights" give
 the big batch's weights. The recipe's run and its promised perplexity: tests/test_recipes.py.
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import gacli
-from gacli.runner.text import (
+from gacli.recipes.text_lm import (
     PADDING_ID,
     VOCABULARY_SIZE,
     Perplexity,

@@ -114,16 +114,15 @@ def test_tfrecord(tmp_path):
 def test_user_factory_and_keras_applications(tmp_path):
     run_dir, metrics = run(
         tmp_path,
-        "model=factory",
-        "model.factory=factories:tiny_classifier",
+        "model._target_=factories.tiny_classifier",
         "epochs=1",
         "steps_per_epoch=2",
     )
     assert np.isfinite(metrics["loss"])
     with pytest.raises(ConfigError, match="keras.applications.MobileNetV2 cannot take inputs"):
-        run(tmp_path / "app", "model=application", "model.name=MobileNetV2", "epochs=1")
+        run(tmp_path / "app", "model=application", "model.architecture=MobileNetV2", "epochs=1")
     with pytest.raises(ConfigError, match="cannot be imported"):
-        run(tmp_path / "bad", "model=factory", "model.factory=nowhere.at_all:build")
+        run(tmp_path / "bad", "model._target_=nowhere.at_all.build")
 
 
 def test_a_factory_may_return_an_unbuilt_subclassed_model(tmp_path):
@@ -131,9 +130,8 @@ def test_a_factory_may_return_an_unbuilt_subclassed_model(tmp_path):
     against the data, and trains it (it used to fail on the model's missing input_shape)."""
     run_dir, metrics = run(
         tmp_path,
-        "model=factory",
-        "model.factory=factories:subclassed_classifier",
-        "+model.kwargs.width=8",
+        "model._target_=factories.subclassed_classifier",
+        "model.width=8",
         "epochs=1",
         "steps_per_epoch=2",
     )
@@ -146,7 +144,7 @@ def test_a_factory_may_return_an_unbuilt_subclassed_model(tmp_path):
     rebuilt.load_weights(os.path.join(run_dir, "model.weights.h5"))
     assert rebuilt.count_params() > 0
     with pytest.raises(ConfigError, match="has 11 outputs but the data has 10 classes"):
-        run(tmp_path / "wrong", "model=factory", "model.factory=factories:wrong_outputs")
+        run(tmp_path / "wrong", "model._target_=factories.wrong_outputs")
 
 
 def test_schedules_count_optimizer_updates_and_are_logged(tmp_path):
@@ -184,11 +182,12 @@ def test_warmup_then_cosine_in_updates():
 
 
 def test_linear_lr_scaling():
-    from gacli.runner.config import LRScaling, OptimizerConfig
+    from gacli.runner.config import LRScaling
     from gacli.runner.optimizers import scaled_learning_rate
 
-    config = OptimizerConfig(learning_rate=0.1, lr_scaling=LRScaling.linear, base_batch_size=256)
-    assert scaled_learning_rate(config, 1024) == pytest.approx(0.4)
+    assert scaled_learning_rate(0.1, 1024, LRScaling.linear, 256) == pytest.approx(0.4)
+    assert scaled_learning_rate(0.1, 1024, LRScaling.sqrt, 256) == pytest.approx(0.2)
+    assert scaled_learning_rate(0.1, 1024, LRScaling.linear, None) == 0.1  # a schedule's start
 
 
 def test_device_memory_and_hparams_are_logged(tmp_path, monkeypatch):

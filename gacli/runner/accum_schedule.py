@@ -56,21 +56,19 @@ def check_schedule(cfg, given=()):
     """Cross-field checks of ``accum_schedule``, ``accum_schedule_max`` and ``lr_scaling``;
     ConfigError saying what to type. No TensorFlow."""
     schedule = cfg.accum_schedule
-    old_rule = cfg.optimizer.lr_scaling.value
-    if cfg.lr_scaling.value != "none" and old_rule != "none":
+    if (
+        "lr_scaling" in given
+        and cfg.lr_scaling.value != "none"
+        and schedule is None
+        and cfg.lr_reference_batch is None
+    ):
         raise ConfigError(
-            f"lr_scaling={cfg.lr_scaling.value} and optimizer.lr_scaling={old_rule} are both set; "
-            "choose one: lr_scaling scales the learning rate between the stages of "
-            "accum_schedule relative to the first stage, optimizer.lr_scaling relative to "
-            "optimizer.base_batch_size (the batch learning_rate was tuned at), stages included."
-        )
-    if "lr_scaling" in given and cfg.lr_scaling.value != "none" and schedule is None:
-        raise ConfigError(
-            f"lr_scaling={cfg.lr_scaling.value} scales the learning rate between the stages of "
-            "accum_schedule, relative to the first, and this run has no accum_schedule, so it "
-            "would change nothing. Add a schedule, e.g. 'accum_schedule={0:1,2:2,4:4}', or, to "
-            "scale from the batch size the learning rate was tuned at, use optimizer.lr_scaling="
-            f"{cfg.lr_scaling.value} optimizer.base_batch_size=256."
+            f"lr_scaling={cfg.lr_scaling.value} scales the learning rate with the effective batch "
+            "relative to a reference batch, and this run has neither lr_reference_batch (the "
+            "effective batch optimizer.learning_rate was tuned at) nor an accum_schedule (whose "
+            "first stage is then the reference), so it would change nothing. Add "
+            "lr_reference_batch=256 (your tuned batch), or a schedule, e.g. "
+            "'accum_schedule={0:1,2:2,4:4}'."
         )
     if cfg.accum_schedule_max is not None and schedule != GNS and "accum_schedule_max" in given:
         raise ConfigError(
@@ -214,8 +212,6 @@ class AccumSchedule:
         if schedule is None:
             return None
         rule = cfg.lr_scaling.value
-        if rule == "none":
-            rule = cfg.optimizer.lr_scaling.value
         if schedule == GNS:
             # By default the largest power of two whose effective batch fits the training set.
             maximum = cfg.accum_schedule_max or 2 ** int(math.log2(largest))

@@ -40,6 +40,7 @@ from gacli.rundir import (
     read_json,
     write_json,
 )
+from gacli.runner.arguments import section_arguments
 from gacli.runner.batch_plan import AutoPlan, BatchPlan
 from gacli.runner.build import build_job
 from gacli.runner.config import (
@@ -311,8 +312,7 @@ def probe_key(cfg, data, strategy):
         if device.device_type != "CPU"
     ] or ["CPU"]
     return {
-        "model": cfg.model.factory or shown_name(cfg.model),
-        "model_kwargs": OmegaConf.to_container(cfg.model.kwargs, resolve=True),
+        "model": section_arguments(cfg.model, "model"),
         "input_shape": {name: list(shape) for name, shape in data.input_shape.items()}
         if isinstance(data.input_shape, dict)
         else list(data.input_shape),

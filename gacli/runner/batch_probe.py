@@ -30,6 +30,7 @@ from gacli.engine.window import noise_from_two_sizes
 from gacli.errors import ConfigError, TrainingFailed
 from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, write_json
 from gacli.runner.build import build_job, job_loss_and_metrics, precision_policy
+from gacli.runner.config import shown_name
 from gacli.runner.console import make_console
 from gacli.runner.run import Run
 from gacli.runner.runstate import micro_batch_stream
@@ -254,7 +255,7 @@ def samples_within_training_set(cfg, train_size, console):
         return cfg
     common = math.lcm(*sizes)
     where = (
-        f"the {train_size} training samples (dataset {cfg.dataset.name}, after "
+        f"the {train_size} training samples (dataset {shown_name(cfg.dataset)}, after "
         f"validation_split={cfg.dataset.validation_split})"
     )
     if common > train_size:

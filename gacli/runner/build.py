@@ -297,8 +297,7 @@ class Job:
         layers = self.batchnorm_layers
         return {
             "wrapper": self.reason,
-            "model": f"{cfg.model.factory or shown_name(cfg.model)} "
-            f"({self.model.count_params():,} parameters)",
+            "model": f"{shown_name(cfg.model)} ({self.model.count_params():,} parameters)",
             "data": f"{shown_name(cfg.dataset)}: {data.train_size} train / "
             f"{data.validation_size} val samples, inputs {_shapes(data.input_shape)}",
             "updates": f"{steps.total_updates} in {cfg.epochs} epochs, "
@@ -348,10 +347,13 @@ def build_job(cfg, plan, data, steps, strategy):
         training = [layer for layer in batchnorm if layer.trainable]  # frozen ones: inference
         model = apply_batchnorm_policy(model, cfg.batchnorm.value, plan.accum_steps, warn=False)
         check_trainable(model, cfg.model, cfg.precision.policy)
-        rate = learning_rate_schedule(cfg.optimizer, plan.effective_batch_size, steps.total_updates)
+        scaling = (cfg.lr_scaling, cfg.lr_reference_batch)
+        rate = learning_rate_schedule(
+            cfg.optimizer, plan.effective_batch_size, steps.total_updates, scaling
+        )
         scaled_rate = ScaledLearningRate(rate) if cfg.get("accum_schedule") is not None else None
         inner = build_optimizer(
-            cfg.optimizer, plan.effective_batch_size, steps.total_updates, scaled_rate
+            cfg.optimizer, plan.effective_batch_size, steps.total_updates, scaled_rate, scaling
         )
         model, optimizer = _with_accumulation(model, inner, wrapper, settings)
         with warnings.catch_warnings():

@@ -324,18 +324,19 @@ def _check_command_line(argv, launch):
         )
         return None
     rundir.is_chief()  # a TF_CONFIG that cannot be read is refused here, before Hydra starts
-    from gacli.runner.user_config import check_overrides, own_sections
+    from gacli.runner.user_config import check_overrides, replaced_sections
 
     content = _primary_content(config_path, config_name, config)
-    # model._target_=... (on the command line or in the file) chooses model=own.
-    own, added = own_sections([a for a in overrides if "=" in a and a[:1] != "-"], content)
-    overrides = added + overrides
+    # model._target_=... (on the command line or in the file) replaces the default model's file.
+    overrides = replaced_sections([a for a in overrides if a[:1] != "-"], content) + overrides
     # Hydra's parser wants its options (-m, --cfg job, ...) before the key=value overrides;
-    # a bare --info would take the next override for its argument.
+    # a bare --info would take the next override for its argument. ~model deletes a default.
     options = [
-        "--info=all" if a == "--info" else a for a in overrides if a.startswith("-") or "=" not in a
+        "--info=all" if a == "--info" else a
+        for a in overrides
+        if a.startswith("-") or ("=" not in a and not a.startswith("~"))
     ]
-    check_overrides([a for a in overrides if a not in options and a != "--info"], own)
+    check_overrides([a for a in overrides if a not in options and a != "--info"])
     shows = [o for o in options if o.startswith(("--cfg", "--info", "-c", "-i", "--shell"))]
     if shows and any(o in ("-m", "--multirun") for o in options):
         raise ConfigError(
@@ -350,7 +351,7 @@ def _check_command_line(argv, launch):
         [a for a in overrides if a not in options], any(o in ("-m", "--multirun") for o in options)
     )
     overrides = resolve_resume(resume_after_requeue(overrides), label)
-    assignments = [a for a in overrides if not (a.startswith("-") or "=" not in a)]
+    assignments = [a for a in overrides if a not in options and a != "--info"]
     launch.multirun = any(o in ("-m", "--multirun") for o in options)
     if not any(o.startswith(("--cfg", "--info", "-c", "-i")) for o in options):
         _check_run_dirs(options, assignments, launch)

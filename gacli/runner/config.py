@@ -102,56 +102,29 @@ class Pick(str, enum.Enum):
     fastest = "fastest"  # the one with the most samples/s among those that fit
 
 
-# A section whose _target_ is the user's own (model=own, dataset=own; setting <section>._target_
-# chooses it): the target, "package.module.callable", is called with the section's other keys,
-# except those ga-train reads itself (OWN_SECTION_KEYS), and returns what the section makes
-# (docs/guides/own-model.md). The section takes keys the schema does not declare, as the
-# callable's arguments (register_configs leaves it open). The optimizer and loss sections are
-# always built that way (TARGET_SECTIONS): a shipped optimizer is a file of _target_ and
-# arguments, as a user's is.
-OWN = "own"
-
-
 @dataclass
 class ModelConfig:
-    # model=own: what builds your keras.Model, e.g. my_pkg.nets.Net; its arguments are the other
-    # model.* keys, and input_shape and num_outputs (and task) come from the data where it takes
-    # them and they are not given
-    _target_: Optional[str] = None
-    name: str = "mlp"  # a registered model, or a keras.applications name (e.g. ResNet50)
-    factory: Optional[str] = None  # "package.module:function" returning a keras.Model
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the factory / application
-    hidden_units: Optional[List[int]] = field(default_factory=lambda: [64, 64])  # mlp
-    filters: Optional[List[int]] = field(default_factory=lambda: [16, 32])  # cnn
-    depth: Optional[int] = 3  # unet levels; resnet stages
-    base_filters: Optional[int] = 16  # unet and resnet width
-    dropout: Optional[float] = 0.0
+    # What builds the keras.Model: the chosen file's (model=unet: gacli.models.unet) or your own
+    # (model._target_=my_pkg.nets.Net). It is called with the other model.* keys, and with
+    # input_shape and num_outputs (and task) from the data where it takes them and they are not
+    # given (docs/guides/own-model.md).
+    _target_: str = MISSING
 
 
 @dataclass
 class DatasetConfig:
-    # dataset=own: what returns (train, validation) as tf.data.Datasets of unbatched (x, y) or
-    # (x, y, sample_weight), or as tuples of arrays; validation may be None. Its arguments are the
-    # other dataset.* keys, and seed and validation_split where it takes them.
-    _target_: Optional[str] = None
-    name: str = "digits"  # shapes | digits | npz | image_folder | tfrecord | own
-    path: Optional[str] = None  # file or directory for npz, image_folder, tfrecord
-    num_samples: Optional[int] = 256  # shapes
-    image_size: Optional[int] = 32  # shapes; image_folder resize
-    channels: Optional[int] = 1  # shapes; image_folder (1 or 3)
+    # What loads the data: the chosen file's (dataset=digits: gacli.datasets.digits) or your own
+    # (dataset._target_=my_pkg.data.make). It is called with the other dataset.* keys but
+    # ga-train's own below, and with seed, validation_split, task and num_classes where it takes
+    # them; it returns (train, validation), each a tf.data.Dataset of unbatched (x, y) or
+    # (x, y, sample_weight) or a tuple of such arrays (validation may be None), or a
+    # gacli.runner.data.DataBundle as the shipped ones do.
+    _target_: str = MISSING
     num_classes: int = 0  # 0: inferred from the data
-    # the fraction held out for validation (a seeded split); dataset=own: of the training data
-    # when the target returns no validation data (0: the run has none)
+    # the fraction held out for validation (a seeded split); a target that returns no validation
+    # data: of its training data (0: the run has none)
     validation_split: float = 0.1
     shuffle: bool = True  # each pass over the training data in its own seeded order
-    x_key: Optional[str] = "x"  # npz
-    y_key: Optional[str] = "y"  # npz: labels, or masks of the images' size (then segmentation)
-    # tfrecord: name -> {shape, dtype}
-    features: Optional[Dict[str, Any]] = field(default_factory=dict)
-    input_key: Optional[str] = "image"  # tfrecord feature used as input
-    label_key: Optional[str] = "label"  # tfrecord feature used as target
-    # image_folder: train without images that cannot be decoded
-    skip_bad_files: Optional[bool] = False
     task: Task = Task.auto  # what the targets are; picks the model's head, loss and metrics
 
 
@@ -182,10 +155,6 @@ class OptimizerConfig:
     # cosine: updates to decay over; exponential: updates per decay_rate; 0 = the whole run after
     # warm-up
     decay_updates: int = 0
-    # The older rule: the reference batch is base_batch_size, every stage of accum_schedule too.
-    # Only one of it and the top-level lr_scaling may be set.
-    lr_scaling: LRScaling = LRScaling.none
-    base_batch_size: int = 256  # the batch size learning_rate was tuned for (lr_scaling)
 
 
 @dataclass
@@ -297,8 +266,12 @@ class TrainConfig:
     accum_schedule: Any = None
     # gns: the largest accum_steps (None: the largest power of two the training set allows).
     accum_schedule_max: Optional[int] = None
-    # The learning rate of each stage of accum_schedule, the reference batch its first stage's.
+    # The learning rate scaled with the effective batch: linear (lr x batch / reference batch,
+    # Goyal et al. 2017) or sqrt, in every stage of accum_schedule.
     lr_scaling: LRScaling = LRScaling.none
+    # The effective batch optimizer.learning_rate was tuned at (None: accum_schedule's first
+    # stage's, so that only the later stages are scaled).
+    lr_reference_batch: Optional[int] = None
     auto_batch: AutoBatchConfig = field(default_factory=AutoBatchConfig)
     oom: OutOfMemory = OutOfMemory.fail  # an out-of-memory error while training
     wrapper: Wrapper = Wrapper.auto
@@ -349,18 +322,21 @@ GROUPS = {
 }
 
 
-# The sections whose keys may be a target's arguments: open for keys the schema does not declare
-# (the declared ones keep their types). A key that no run reads is refused before composing
-# (gacli.runner.user_config), except in a section with the user's own _target_ and in the
-# sections always built by their _target_ (TARGET_SECTIONS).
-OPEN_SECTIONS = ("model", "dataset", "optimizer", "loss")
-# The sections built by their _target_ whatever is chosen: every key but ga-train's own is an
-# argument of the target, so none needs a choice to be read.
-TARGET_SECTIONS = ("optimizer", "loss")
-# The keys of an own section that ga-train reads itself: never passed to its target.
+# The sections built by their _target_, each a class or function named by its import path, the
+# section's other keys its arguments (docs/guides/own-model.md): open for keys the schema does not
+# declare (the declared ones keep their types), as a target takes arguments the schema cannot
+# know. Every key but ga-train's own (OWN_SECTION_KEYS) goes to the target, whose signature
+# checks it: a shipped model's or dataset's while the config is validated
+# (gacli.runner.arguments.check_shipped), another target's when it is called.
+TARGET_SECTIONS = ("model", "dataset", "optimizer", "loss")
+OPEN_SECTIONS = TARGET_SECTIONS
+# The modules of the models and data sets that ship (configs/model/*.yaml, configs/dataset/*.yaml
+# name their functions); importing them loads no TensorFlow.
+SHIPPED = {"model": "gacli.models", "dataset": "gacli.datasets"}
+# The keys of a target section that ga-train reads itself: never passed to its target.
 OWN_SECTION_KEYS = {
-    "model": ("_target_", "name", "factory", "kwargs"),
-    "dataset": ("_target_", "name", "validation_split", "shuffle", "task", "num_classes"),
+    "model": ("_target_",),
+    "dataset": ("_target_", "validation_split", "shuffle", "task", "num_classes"),
     "optimizer": (
         "_target_",
         "learning_rate",
@@ -368,8 +344,6 @@ OWN_SECTION_KEYS = {
         "warmup_updates",
         "decay_rate",
         "decay_updates",
-        "lr_scaling",
-        "base_batch_size",
         "use_agc",
         "clip_factor",
     ),
@@ -399,17 +373,24 @@ def register_configs():
         store.store(group=group, name="gacli_schema", node=schema)
 
 
+def is_shipped(section):
+    """Whether a model or dataset section names one that ships (``gacli.models.unet``)."""
+    return str(section.get("_target_") or "").rpartition(".")[0] in SHIPPED.values()
+
+
 def is_own(section):
-    """Whether a group's section is the user's own (``model=own``: built by its ``_target_``)."""
-    return str(getattr(section.name, "value", section.name)) == OWN
+    """Whether a model or dataset section names the user's own (``model._target_=my_pkg.Net``)."""
+    return bool(section.get("_target_")) and not is_shipped(section)
 
 
 def shown_name(section):
-    """What a group's section is called in messages: its choice, or its target (the user's own,
-    or a section always built by its target: optimizer)."""
-    if "name" not in section or is_own(section):
-        return str(section._target_)
-    return str(getattr(section.name, "value", section.name))
+    """What a section is called in messages: its shipped name (``unet``, or the architecture of
+    ``model=application``), else its target (the user's own, or an optimizer)."""
+    target = str(section.get("_target_"))
+    if not is_shipped(section):
+        return target
+    name = target.rpartition(".")[2]
+    return str(section.get("architecture") or name) if name == "application" else name
 
 
 def expected_replicas(strategy):

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from gacli.errors import ConfigError
 from gacli.runner import targets
+from gacli.runner.arguments import section_arguments
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
 # A dataset target's data of unknown size (a generator, a filter()) is read whole before
@@ -586,13 +587,11 @@ def _first_unparsable(file, spec, start):
     return 0
 
 
-def own(cfg, seed):
-    """The user's own data: what ``dataset._target_`` returns, (train, validation), each a
+def _own(cfg, seed, made):
+    """The user's own data: what ``dataset._target_`` returned, (train, validation), each a
     ``tf.data.Dataset`` of unbatched ``(x, y)`` or ``(x, y, sample_weight)`` or a tuple of such
     arrays, read once: counted, checked (finite numbers, class labels) and described."""
     source = f"dataset._target_={cfg._target_}"
-    fill = {"seed": seed, "validation_split": cfg.validation_split}
-    made = targets.build("dataset", targets.own_arguments(cfg, "dataset"), targets.ANYTHING, fill)
     if not isinstance(made, (tuple, list)) or len(made) != 2:
         raise ConfigError(
             f"{source} returned {targets.described(made)}, not a pair (train, validation); "
@@ -818,22 +817,25 @@ def _held_out(dataset, rows, count):
     )
 
 
-LOADERS = {
-    "digits": digits,
-    "shapes": shapes,
-    "npz": npz,
-    "image_folder": image_folder,
-    "tfrecord": tfrecord,
-    "own": own,
-}
-
-
 def load_dataset(cfg, seed=0):
-    """The :class:`DataBundle` named by ``cfg.name``."""
-    loader = LOADERS.get(cfg.name)
-    if loader is None:
+    """The :class:`DataBundle` of what the ``dataset`` section ``cfg`` names: a shipped data set
+    (``dataset=digits``: ``gacli.datasets.digits``, which returns a checked bundle) or the user's
+    own (``dataset._target_=my_pkg.data.make``, whose (train, validation) is read and checked
+    here); ``seed``, ``validation_split``, ``task`` and ``num_classes`` are filled in where the
+    target takes them."""
+    task = str(getattr(cfg.task, "value", cfg.task))
+    fill = {
+        "seed": seed,
+        "validation_split": cfg.validation_split,
+        "task": task,
+        "num_classes": cfg.num_classes,
+    }
+    made = targets.build("dataset", section_arguments(cfg, "dataset"), targets.ANYTHING, fill)
+    if not isinstance(made, DataBundle):
+        return _own(cfg, seed, made)
+    if task == "regression" and made.task != "regression":
         raise ConfigError(
-            f"dataset={cfg.name} is not a known dataset; use one of {', '.join(sorted(LOADERS))}, "
-            "e.g. dataset=npz dataset.path=train.npz for your own arrays."
+            f"dataset.task=regression, but dataset._target_={cfg._target_} gave {made.task} "
+            "targets; drop dataset.task=regression, or give data with float targets."
         )
-    return loader(cfg, seed)
+    return made

@@ -54,7 +54,10 @@ def run_equivalence_check(cfg, run_dir, given=()):
     keras.utils.set_random_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_outputs, data.task)
     loss, _ = job_loss_and_metrics(cfg, data.task, data.num_outputs)
-    optimizer = build_optimizer(cfg.optimizer, plan.effective_batch_size, run.steps.total_updates)
+    rates = (plan.effective_batch_size, run.steps.total_updates)
+    optimizer = build_optimizer(
+        cfg.optimizer, *rates, scaling=(cfg.lr_scaling, cfg.lr_reference_batch)
+    )
     x, y, *weights = first_window(run)
     wrapper, _ = choose_wrapper(cfg)
     try:

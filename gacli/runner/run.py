@@ -970,7 +970,7 @@ def _hparams(cfg, plan, job):
         "tf32": tf32_used(tf32_enabled()),
         "strategy": cfg.strategy.name.value,
         "wrapper": job.wrapper.value,
-        "model": cfg.model.factory or shown_name(cfg.model),
+        "model": shown_name(cfg.model),
         "lr": float(cfg.optimizer.learning_rate),
         "optimizer": shown_name(cfg.optimizer),
     }

@@ -24,7 +24,8 @@ import keras
 from omegaconf import OmegaConf
 
 from gacli.errors import ConfigError, first_line
-from gacli.runner.config import EXAMPLE_TARGETS, OWN_SECTION_KEYS, is_own
+from gacli.runner.arguments import check_arguments, parameters_of, section_arguments
+from gacli.runner.config import EXAMPLE_TARGETS, is_own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,13 +155,13 @@ def build(where, values, kind, fill=None):
             f"called; name a class or function that returns {kind.what}."
         )
     arguments = {name: value for name, value in values.items() if name != "_target_"}
-    parameters = _parameters(target)
+    parameters = parameters_of(target)
     filled = {
         name: value
         for name, value in (fill or {}).items()
         if name in parameters.named and name not in arguments
     }
-    _check_arguments(where, path, parameters, arguments, filled)
+    check_arguments(where, path, parameters, arguments, filled)
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
@@ -169,6 +170,8 @@ def build(where, values, kind, fill=None):
         # schedules) go in as they are, not through OmegaConf.
         call = instantiate({"_target_": path, **arguments}, _partial_=True, _convert_="all")
         made = call(**filled)
+    except ConfigError:
+        raise  # a shipped builder's (gacli.models) own refusal, already in ga-train's words
     except InstantiationException as failure:
         cause = failure.__cause__ or failure
         raise ConfigError(
@@ -189,88 +192,19 @@ def build(where, values, kind, fill=None):
     return made
 
 
-@dataclasses.dataclass(frozen=True)
-class _Parameters:
-    named: frozenset  # the parameters it takes by name
-    required: tuple  # those without a default
-    any_keyword: bool  # it takes **kwargs
-    known: bool  # the signature could be read
-
-
-def _parameters(target):
-    try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):  # some builtins have none: nothing is checked or filled
-        return _Parameters(frozenset(), (), True, False)
-    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    named = [p for p in signature.parameters.values() if p.kind in by_name]
-    return _Parameters(
-        frozenset(p.name for p in named),
-        tuple(p.name for p in named if p.default is inspect.Parameter.empty),
-        any(p.kind == inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()),
-        True,
-    )
-
-
-def _check_arguments(where, path, parameters, arguments, filled):
-    """ConfigError for an argument the target does not take, or one it needs and lacks."""
-    if not parameters.known:
-        return
-    unknown = sorted(set(arguments) - parameters.named)
-    if unknown and not parameters.any_keyword:
-        near = difflib.get_close_matches(unknown[0], sorted(parameters.named), n=1)
-        takes = ", ".join(sorted(parameters.named)) or "no arguments"
-        raise ConfigError(
-            f"{where}.{unknown[0]} is not an argument of {where}._target_={path}, which takes "
-            f"{takes}; "
-            + (f"did you mean {where}.{near[0]}? " if near else "")
-            + f"Drop {where}.{unknown[0]}, or give the target an argument of that name."
-        )
-    missing = [name for name in parameters.required if name not in {**arguments, **filled}]
-    if missing:
-        raise ConfigError(
-            f"{where}._target_={path} needs the argument {missing[0]}, which is not given; add "
-            f"{where}.{missing[0]}=... (or give {missing[0]} a default in its definition)."
-        )
-
-
-def own_arguments(section, group):
-    """The ``_target_`` of an own section and its arguments: the keys that are set (not null),
-    but those ga-train reads itself; ``model.kwargs`` are arguments too."""
-    values = OmegaConf.to_container(section, resolve=True, enum_to_str=True)
-    if not values.get("_target_") and group == "optimizer":
-        raise ConfigError(
-            f"optimizer._target_ is not set, so no optimizer is named; choose a shipped one, e.g. "
-            f"optimizer=adam, or give your own, e.g. optimizer._target_={EXAMPLE_TARGETS[group]}."
-        )
-    if not values.get("_target_"):
-        raise ConfigError(
-            f"{group}=own builds your own {group} from {group}._target_, which is not set; give "
-            f"it, e.g. {group}._target_={EXAMPLE_TARGETS[group]} (docs/guides/own-model.md)."
-        )
-    arguments = {
-        name: value
-        for name, value in values.items()
-        if name not in OWN_SECTION_KEYS[group] and value is not None
-    }
-    if group == "model":
-        arguments.update(values.get("kwargs") or {})
-    return {"_target_": values["_target_"], **arguments}
-
-
 def build_loss(section):
     """The ``loss`` section's loss, or None where it names none (the task's is used). A target
     that is itself a loss function of ``(y_true, y_pred)`` is the loss, as Keras takes it; its
     other arguments, where given, are bound to it."""
     if section is None or section.get("_target_") is None:
         return None
-    values = own_arguments(section, "loss")
+    values = section_arguments(section, "loss")
     path = str(values["_target_"])
     target = locate("loss._target_", path)
     if not _is_loss_function(target):
         return build("loss", values, LOSS)
     arguments = {name: value for name, value in values.items() if name != "_target_"}
-    parameters = _parameters(target)
+    parameters = parameters_of(target)
     taken = dataclasses.replace(
         parameters, required=tuple(n for n in parameters.required if n not in LOSS_ARGUMENTS)
     )
@@ -281,7 +215,7 @@ def build_loss(section):
             "which Keras calls with y_true and y_pred at each step; drop "
             f"loss.{given[0]}."
         )
-    _check_arguments("loss", path, taken, arguments, {})
+    check_arguments("loss", path, taken, arguments, {})
     if not arguments:
         return target
     return functools.update_wrapper(functools.partial(target, **arguments), target)

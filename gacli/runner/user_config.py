@@ -15,7 +15,7 @@ import yaml
 
 from gacli.errors import ConfigError
 from gacli.runner import overrides as command_line
-from gacli.runner.config import GROUPS, OPEN_SECTIONS, OWN, TARGET_SECTIONS, TrainConfig
+from gacli.runner.config import GROUPS, TARGET_SECTIONS, TrainConfig
 
 _DEFAULTS_LINES = "defaults:\n  - /train\n  - _self_"
 
@@ -41,16 +41,15 @@ def _fields(schema, prefix=""):
 SCHEMA_KEYS = _fields(TrainConfig)
 
 
-def unknown_key(key, own=()):
-    """None when ``key`` (dotted) is read by the config, else a ConfigError's message. ``own``:
-    the groups whose section is the user's own, every key of which is its target's argument."""
+def unknown_key(key):
+    """None when ``key`` (dotted) is read by the config, else a ConfigError's message."""
     if key in SCHEMA_KEYS or key == "hydra" or key.startswith(("hydra.", "hydra/")):
         return None  # Hydra's own settings and plugin choices (hydra/launcher=joblib): Hydra's
     parts = key.split(".")
-    if parts[0] in {*own, *TARGET_SECTIONS} and parts[0] in OPEN_SECTIONS and len(parts) > 1:
-        near = _near_declared(parts) if parts[0] in TARGET_SECTIONS else None
+    if parts[0] in TARGET_SECTIONS and len(parts) > 1:
+        near = _near_declared(parts)
         if near is None:
-            return None  # the target's arguments: its call checks them (gacli.runner.targets)
+            return None  # the target's arguments: its signature checks them
         return (
             f"{key} is not a key ga-train reads, so setting it would change nothing; did you "
             f"mean {near}? (Any other key of the {parts[0]} section is passed to its _target_ "
@@ -102,71 +101,132 @@ def _shipped(group):
     return sorted(e.name[: -len(".yaml")] for e in folder.iterdir() if e.name.endswith(".yaml"))
 
 
+def _choose(group, value):
+    """``group=value`` where ``value`` names a shipped file of the group, else the group's
+    choices."""
+    options = _shipped(group)
+    shown = str(value) if value is not None else None
+    if shown in options:
+        return f"{group}={shown}"
+    return f"{group}=<name>, one of " + ", ".join(options)
+
+
 def gone_spelling(key, value=None, where=""):
     """A ConfigError's message for a spelling that ga-train no longer reads, saying what to type
-    instead, else None. ``where``: how the message starts (the assignment, or the file).
+    instead, else None. ``key``: dotted (``model.factory``) or a group (``model``, with its
+    chosen ``value``); ``where``: how the message starts (the assignment, or the file).
 
-    The optimizer is chosen by its file (optimizer=sgd), whose _target_ names the Keras class:
-    optimizer.name and optimizer=own went with the optimizer registry. Without this check
-    optimizer.name=sgd would be passed to the target as an argument, and refused only after
-    TensorFlow loaded, in the target's terms."""
-    options = _shipped("optimizer")
-    if key == "optimizer.name":
-        shown = str(value) if value is not None else None
-        choose = (
-            f"optimizer={shown}"
-            if shown in options
-            else "optimizer=<name>, one of " + ", ".join(options)
-        )
+    Every model, dataset and optimizer is a file of ``_target_`` and arguments (configs/), as a
+    user's own is: the registries that ``model.name``, ``model.factory``, ``model.kwargs``,
+    ``dataset.name`` and ``optimizer.name`` chose from went with them, and so did the ``own``
+    files. Without this check such a key would be passed to the target as an argument and
+    refused only after TensorFlow loaded, in the target's terms."""
+    section, _, name = key.partition(".")
+    own_target = {
+        "model": "my_pkg.nets.Net",
+        "dataset": "my_pkg.data.make",
+        "optimizer": "keras.optimizers.Lion",
+    }
+    if section in own_target and name == "name":
+        instead = _choose(section, value)
+        if section == "model" and str(value)[:1].isupper() and f"{section}={value}" != instead:
+            instead = f"model=application model.architecture={value}"
         return (
-            f"{where}optimizer.name is no longer read: an optimizer is chosen by its file, whose "
-            f"_target_ names the Keras class (configs/optimizer/sgd.yaml: keras.optimizers.SGD). "
-            f"Type {choose} instead, or optimizer._target_=keras.optimizers.Lion for one of your "
-            "own."
+            f"{where}{key} is no longer read: {_ARTICLE[section]} {section} is chosen by its "
+            "file, whose _target_ "
+            f"names what builds it (configs/{section}/, e.g. _target_: "
+            f"{_EXAMPLE_FILES[section]}). Type {instead} instead, or "
+            f"{section}._target_={own_target[section]} for one of your own."
         )
-    if key == "optimizer" and str(value) == OWN:
+    if key in ("model.factory", "model=factory") or (key == "model" and value == "factory"):
+        path = str(value).replace(":", ".") if key == "model.factory" else "my_pkg.models.build"
         return (
-            f"{where}optimizer=own is no longer a choice: every optimizer is built from its "
-            "_target_, so give yours alone, e.g. optimizer._target_=keras.optimizers.Lion (it "
-            "replaces the default optimizer's class and keeps its learning_rate)."
+            f"{where}model.factory is no longer read: a model of your own is named by its "
+            f"_target_, a dotted path (no colon). Type model._target_={path} instead; the function "
+            "gets input_shape, num_outputs and task by name where it takes them, and the other "
+            "model.* keys as its arguments (docs/guides/own-model.md)."
+        )
+    if section in own_target and not name and str(value) == "own":
+        return (
+            f"{where}{section}=own is no longer a choice: {_ARTICLE[section]} {section} of your "
+            "own is named by its "
+            f"_target_ alone, e.g. {section}._target_={own_target[section]} (with its arguments "
+            f"as {section}.* keys), which replaces the default {section}"
+            + (" and keeps its learning_rate)." if section == "optimizer" else " and its keys.")
+        )
+    return _gone_setting(key, value, where)
+
+
+def _gone_setting(key, value, where):
+    """:func:`gone_spelling`'s message for a setting (not a choice) that went, else None."""
+    if key == "model.kwargs" or key.startswith("model.kwargs."):
+        argument = key[len("model.kwargs.") :]
+        typed = f"model.{argument}={value}" if argument else "model.<argument>=..."
+        return (
+            f"{where}model.kwargs is no longer read: every model.* key is an argument of the "
+            f"model's _target_. Type {typed} instead."
+        )
+    if key == "optimizer.lr_scaling":
+        return (
+            f"{where}optimizer.lr_scaling is no longer read: the learning rate's scaling with "
+            f"the effective batch is one key, lr_scaling, with the batch the learning rate was "
+            f"tuned at as lr_reference_batch. Type lr_scaling={value or 'linear'} "
+            "lr_reference_batch=256 (your tuned batch; without it, an accum_schedule's first "
+            "stage is the reference) instead."
+        )
+    if key == "optimizer.base_batch_size":
+        return (
+            f"{where}optimizer.base_batch_size is no longer read; type lr_reference_batch="
+            f"{value or 256} instead (with lr_scaling=linear or sqrt)."
+        )
+    if key == "precision.policy":
+        return (
+            f"{where}precision.policy is not set on its own: the precision is chosen by its file. "
+            f"Type {_choose('precision', value)} instead."
         )
     return None
 
 
-def own_sections(assignments, content=None):
-    """(the groups whose section is the user's own, the ``<group>=own`` overrides to add).
+_ARTICLE = {"model": "a", "dataset": "a", "optimizer": "an"}
+# A shipped file of each section, shown where a message explains what a file holds.
+_EXAMPLE_FILES = {
+    "model": "gacli.models.unet in configs/model/unet.yaml",
+    "dataset": "gacli.datasets.digits in configs/dataset/digits.yaml",
+    "optimizer": "keras.optimizers.SGD in configs/optimizer/sgd.yaml",
+}
+# The groups a _target_ of the user's own replaces: given without a choice of the group, the
+# default file's arguments would be passed to it, so the group's default is deleted.
+_REPLACED_BY_TARGET = ("model", "dataset")
 
-    ``<group>._target_`` on the command line, or in the section of the YAML file ``content``
-    (recipe or the user's), makes the group's section the user's own: ``<group>=own`` is chosen
-    unless the command line (or, for the file's target, the file's defaults) chooses another,
-    which :func:`gacli.runner.validate.validate` then refuses, naming both."""
+
+def replaced_sections(assignments, content=None):
+    """The ``~<group>`` overrides to add: ``<group>._target_`` on the command line, or in the
+    section of the YAML file ``content`` (recipe or the user's), names a model or dataset of the
+    user's own, whose section then holds only the keys given with it. Where the command line (or,
+    for the file's target, the file's defaults) also chooses a file of the group
+    (``model=unet model._target_=my_pkg.UNet``), that file's keys stay its arguments.
+    The optimizer is not replaced: ``optimizer._target_=keras.optimizers.Lion`` keeps the
+    default's learning_rate."""
     content = content if isinstance(content, dict) else {}
-    chosen = {command_line.key(a): command_line.value(a) for a in assignments}
-    in_file = {}
+    chosen = {command_line.key(a) for a in assignments}
+    in_file = set()
     for entry in content.get("defaults") or []:
-        for name, choice in entry.items() if isinstance(entry, dict) else ():
-            in_file[str(name).split("/")[-1]] = choice
-    # The optimizer's section is always built by its _target_ (TARGET_SECTIONS): giving one
-    # replaces the chosen file's, and chooses nothing.
-    groups = [group for group in GROUPS if group not in TARGET_SECTIONS]
-    given = {group for group in groups if f"{group}._target_" in chosen}
-    written = {
-        group
-        for group in groups
-        if isinstance(content.get(group), dict) and "_target_" in content[group]
-    }
-    added = [
-        f"{group}={OWN}"
-        for group in sorted(given | written)
-        if group not in chosen and (group in given or group not in in_file)
-    ]
-    own = given | written | {g for g in groups if OWN in (chosen.get(g), in_file.get(g))}
-    return own, added
+        for name in entry if isinstance(entry, dict) else ():
+            in_file.add(str(name).split("/")[-1])
+    added = []
+    for group in _REPLACED_BY_TARGET:
+        given = f"{group}._target_" in chosen
+        written = isinstance(content.get(group), dict) and "_target_" in content[group]
+        if group in chosen or f"~{group}" in chosen:
+            continue
+        if given or (written and group not in in_file):
+            added.append(f"~{group}")
+    return added
 
 
-def check_overrides(assignments, own=()):
-    """ConfigError for a ``key=value`` (``+key=``, ``++key=``, ``~key``) that no field reads;
-    ``own``: the groups whose section is the user's own (:func:`own_sections`)."""
+def check_overrides(assignments):
+    """ConfigError for a ``key=value`` (``+key=``, ``++key=``, ``~key``) that no field reads, or
+    that is spelt as ga-train no longer reads it."""
     for assignment in assignments:
         key = assignment.split("=", 1)[0].lstrip("+~")
         gone = gone_spelling(key, assignment.split("=", 1)[-1], f"{assignment}: ")
@@ -177,7 +237,7 @@ def check_overrides(assignments, own=()):
         if key.startswith("probe."):
             _check_probe_key(key, assignments)
             continue
-        problem = unknown_key(key, own)
+        problem = unknown_key(key)
         if problem:
             raise ConfigError(f"{assignment}: {problem}")
 
@@ -258,16 +318,21 @@ def _refuse_gone_in_file(content, shown, group_options):
             gone = gone_spelling(key.split("/")[-1], choice, f"config={shown}: ")
             if gone:
                 raise ConfigError(gone)
-    optimizer = content.get("optimizer")
-    if isinstance(optimizer, dict) and "name" in optimizer:
-        name = optimizer["name"]
-        choice = name if name in group_options.get("optimizer", ()) else "<name>"
-        raise ConfigError(
-            f"config={shown} sets optimizer: {{name: {name}}}, which is no longer read: an "
-            "optimizer is chosen by its file, whose _target_ names the Keras class. Add "
-            f"'- override /optimizer: {choice}' to the defaults list (before _self_) and drop the "
-            "name: line, or give optimizer: {_target_: keras.optimizers.Lion} for one of your own."
-        )
+    for section, keys in content.items():
+        for key, value in keys.items() if isinstance(keys, dict) else ():
+            gone = gone_spelling(f"{section}.{key}", value, f"config={shown} sets {section}.")
+            if gone is None:
+                continue
+            # The message says what to type on the command line; a file chooses a group's file
+            # in its defaults list.
+            if key == "name" and value in group_options.get(section, ()):
+                gone = (
+                    f"config={shown} sets {section}: {{name: {value}}}, which is no longer read: "
+                    f"a {section} is chosen by its file. Add '- override /{section}: {value}' "
+                    "to the defaults list (before _self_) and drop the name: line; then set its "
+                    f"keys under {section}:."
+                )
+            raise ConfigError(gone.replace(f"sets {section}.{section}.", f"sets {section}."))
 
 
 def check_user_yaml(path, shown, group_options):
@@ -307,19 +372,8 @@ def check_user_yaml(path, shown, group_options):
                 f"the defaults list: add '- override /{group}: {chosen}' to it (before _self_) "
                 f"and drop the {group}: line (or give {group}={chosen} on the command line)."
             )
-        name = chosen.get("name") if isinstance(chosen, dict) else None
-        if name in group_options.get(group, ()) and group not in overridden:
-            # model.name / dataset.name pick the builder, but the settings come from the group's
-            # file: {name: image_folder} under dataset: keeps the default dataset's settings.
-            raise ConfigError(
-                f"config={shown} sets {group}: {{name: {name}}}, which picks the {name} code but "
-                f"keeps the default {group}'s settings. To choose {name} with its own settings, "
-                f"add '- override /{group}: {name}' to the defaults list (before _self_) and drop "
-                f"the name: line; then set its keys under {group}:."
-            )
-    own, _ = own_sections([], content)
     for key in _walk({k: v for k, v in content.items() if k not in ("defaults", "hydra")}):
-        problem = unknown_key(key, own)
+        problem = unknown_key(key)
         if problem:
             raise ConfigError(f"config={shown}: {problem}")
     return content

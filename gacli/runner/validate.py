@@ -7,12 +7,13 @@ from collections.abc import Sequence
 from gacli.engine.options import PartialWindow
 from gacli.errors import ConfigError
 from gacli.runner.accum_schedule import check_schedule
+from gacli.runner.arguments import check_shipped, parameters_of, section_arguments
 from gacli.runner.batch_plan import resolve_batch
 from gacli.runner.config import (
     AUTO,
     EXAMPLE_TARGETS,
-    OWN,
     PROBE_KEYS,
+    SHIPPED,
     CheckName,
     OutOfMemory,
     Policy,
@@ -20,7 +21,7 @@ from gacli.runner.config import (
     Task,
     Wrapper,
     expected_replicas,
-    is_own,
+    is_shipped,
     shown_name,
 )
 from gacli.runner.loggers import check_loggers
@@ -86,27 +87,16 @@ def validate(cfg, given=()):
 
 def _validate_targets(cfg):
     """The ``_target_`` of each section, the entries of ``metrics`` and ``callbacks``: each a
-    dotted path where one is given, and one only where it is read; ``model.factory``'s form."""
+    dotted path where one is given, and one only where it is read; a shipped model's or
+    dataset's arguments against its signature."""
     from omegaconf import OmegaConf
-
-    if cfg.model.factory is not None and ":" not in cfg.model.factory:
-        raise ConfigError(
-            f"model.factory={cfg.model.factory} must be 'package.module:function', e.g. "
-            "model.factory=mypkg.models:build_model."
-        )
 
     for group in ("model", "dataset"):
         section = cfg[group]
-        missing = OmegaConf.is_missing(section, "_target_")
-        if not missing and section._target_ and not is_own(section):
-            raise ConfigError(
-                f"{group}._target_={section._target_} names your own {group}, but this run "
-                f"chooses {group}={shown_name(section)}, whose settings would be passed to it. "
-                f"Drop the {group}= choice: {group}._target_ alone chooses {group}=own, whose "
-                f"section holds only the {group}.* keys you give."
-            )
-        if is_own(section) and not missing and section._target_:
-            _check_target_path(f"{group}._target_", section._target_)
+        if OmegaConf.is_missing(section, "_target_") or not section._target_:
+            section_arguments(section, group)  # refuses, saying what to give
+        _check_target_path(f"{group}._target_", section._target_)
+        check_shipped(group, section)
     # Every optimizer, shipped or the user's, is built by its _target_.
     _check_target_path("optimizer._target_", cfg.optimizer._target_)
     if cfg.loss._target_ is not None:
@@ -377,7 +367,7 @@ _RANGES = {
     "optimizer.warmup_updates": (0, None, True, "optimizer.warmup_updates=100"),
     "optimizer.decay_rate": (0.0, 1.0, False, "optimizer.decay_rate=0.5"),
     "optimizer.decay_updates": (0, None, True, "optimizer.decay_updates=1000"),
-    "optimizer.base_batch_size": (1, None, True, "optimizer.base_batch_size=256"),
+    "lr_reference_batch": (1, None, True, "lr_reference_batch=256"),
     "strategy.port": (1, 65535, True, "strategy.port=29500"),
     "strategy.logical_cpus": (0, None, True, "strategy.logical_cpus=2 (0: devices as they are)"),
     "precision.max_skipped_fraction": (0.0, 1.0, True, "precision.max_skipped_fraction=0.25"),
@@ -391,57 +381,69 @@ def _validate_ranges(cfg):
 
     for key, (low, high, closed, example) in _RANGES.items():
         value = OmegaConf.select(cfg, key)
-        if value is None:
+        group, _, name = key.partition(".")
+        if value is None or (group in SHIPPED and not _shipped_argument(group, cfg[group], name)):
             continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # an argument of a shipped target: its kind is checked with its target
         below = value < low if closed else value <= low
         above = high is not None and (value >= high if key == "model.dropout" else value > high)
         if below or above:
             lower = f"{'>=' if closed else '>'} {low}"
             upper = f" and {'<' if key == 'model.dropout' else '<='} {high}" if high else ""
             raise ConfigError(f"{key}={value} must be {lower}{upper}, e.g. {example}.")
-    sizes = [*(cfg.model.hidden_units or []), *(cfg.model.filters or [])]
-    if any(size < 1 for size in sizes):
-        raise ConfigError(
-            f"model.hidden_units={list(cfg.model.hidden_units)} and model.filters="
-            f"{list(cfg.model.filters)} must hold layer widths >= 1, e.g. "
-            "model.hidden_units=[64,64]."
-        )
-    if cfg.dataset.task == Task.regression and cfg.dataset.name not in ("npz", "tfrecord", OWN):
+    model, dataset = cfg.model, cfg.dataset
+    for key in ("hidden_units", "filters"):
+        sizes = model.get(key) or []
+        if not OmegaConf.is_list(sizes) or not all(isinstance(size, int) for size in sizes):
+            continue  # not a list of whole numbers: refused with its target's kind, below
+        if is_shipped(model) and any(size < 1 for size in sizes):
+            raise ConfigError(
+                f"model.{key}={list(sizes)} must hold layer widths >= 1, e.g. model.{key}=[64,64]."
+            )
+    target = _shipped_target(dataset)
+    takes_task = target is None or "task" in parameters_of(target).named
+    if dataset.task == Task.regression and is_shipped(dataset) and not takes_task:
+        name = shown_name(dataset)
         raise ConfigError(
             "dataset.task=regression reads float targets from dataset=npz, dataset=tfrecord or "
             "a dataset of your own (dataset._target_=...), "
-            f"and dataset={cfg.dataset.name} has class labels or masks; save the inputs and "
+            f"and dataset={name} has class labels or masks; save the inputs and "
             "targets with numpy.savez('train.npz', x=inputs, y=targets) and give dataset=npz "
             "dataset.path=train.npz dataset.task=regression, or drop dataset.task."
         )
-    if cfg.dataset.channels not in (1, 3, None):
+    if is_shipped(dataset) and dataset.get("channels") not in (1, 3, None):
         raise ConfigError(
-            f"dataset.channels={cfg.dataset.channels} must be 1 (grey) or 3 (colour), e.g. "
+            f"dataset.channels={dataset.channels} must be 1 (grey) or 3 (colour), e.g. "
             "dataset.channels=3."
         )
+
+
+def _shipped_argument(group, section, name):
+    """Whether ``name`` is ga-train's own key of a model or dataset section, or an argument of
+    its shipped target: a range of ``_RANGES`` is that target's (a target of the user's own
+    takes what it likes)."""
+    from gacli.runner.config import OWN_SECTION_KEYS
+
+    return name in OWN_SECTION_KEYS[group] or is_shipped(section)
+
+
+def _shipped_target(section):
+    """The function a shipped section's ``_target_`` names (None for the user's own)."""
+    import importlib
+
+    module, _, name = str(section.get("_target_")).rpartition(".")
+    if module not in SHIPPED.values():
+        return None
+    return getattr(importlib.import_module(module), name, None)
 
 
 # Keys that only some choices read: {key: (what decides, the choices that read it)}. A key given
 # on the command line that the run's choice does not read would change nothing: refused.
 _READ_ONLY_BY = {
-    "model.hidden_units": ("model.name", ("mlp",)),
-    "model.dropout": ("model.name", ("mlp",)),
-    "model.filters": ("model.name", ("cnn",)),
-    "model.depth": ("model.name", ("unet", "resnet")),
-    "model.base_filters": ("model.name", ("unet", "resnet")),
-    "dataset.num_samples": ("dataset.name", ("shapes",)),
-    "dataset.image_size": ("dataset.name", ("shapes", "image_folder")),
-    "dataset.channels": ("dataset.name", ("shapes", "image_folder")),
-    "dataset.path": ("dataset.name", ("npz", "image_folder", "tfrecord")),
-    "dataset.x_key": ("dataset.name", ("npz",)),
-    "dataset.y_key": ("dataset.name", ("npz",)),
-    "dataset.skip_bad_files": ("dataset.name", ("image_folder",)),
-    "dataset.features": ("dataset.name", ("tfrecord",)),
-    "dataset.input_key": ("dataset.name", ("tfrecord",)),
-    "dataset.label_key": ("dataset.name", ("tfrecord",)),
     "optimizer.decay_rate": ("optimizer.schedule", ("exponential",)),
     "optimizer.decay_updates": ("optimizer.schedule", ("cosine", "exponential")),
-    "optimizer.base_batch_size": ("optimizer.lr_scaling", ("linear", "sqrt")),
+    "lr_reference_batch": ("lr_scaling", ("linear", "sqrt")),
     "optimizer.clip_factor": ("optimizer.use_agc", (True,)),
     "monitor.gns_every": ("monitor.gns", (True,)),
     "strategy.logical_cpus": ("strategy.name", ("mirrored",)),
@@ -461,10 +463,8 @@ def _refuse_inert_keys(cfg, given):
         decider, readers = _READ_ONLY_BY[key]
         choice = OmegaConf.select(cfg, decider)
         choice = getattr(choice, "value", choice)
-        if choice in readers or (decider == "model.name" and cfg.model.factory):
+        if choice in readers:
             continue
-        if decider.endswith(".name") and choice == OWN:
-            continue  # an own section's keys are its target's arguments
         # A group's name is chosen as the group (dataset=shapes), other deciders as keys.
         typed = decider.removesuffix(".name")
         shown = " or ".join(f"{typed}={str(reader).lower()}" for reader in readers)

@@ -255,8 +255,9 @@ def test_submitit_two_nodes_make_one_two_worker_job(tmp_path, plain_keras_weight
     (run_dir,) = glob.glob(str(tmp_path / "sweep" / "0_*"))
     result = json.load(open(os.path.join(run_dir, "result.json")))
     assert result["effective_batch_size"] == 128 and result["micro_batch_size"] == 16
-    logs = glob.glob(str(tmp_path / "sweep" / ".submitit" / "*" / "*_1_log.err"))
-    assert logs and f"'{NODES[0]}:" in open(logs[0]).read(), "task 1 took part, on node 2"
+    logs = glob.glob(str(tmp_path / "sweep" / ".submitit" / "*" / "*_1_log.*"))
+    task_1 = "".join(open(path).read() for path in logs)
+    assert f"'{NODES[0]}:" in task_1 and "task_id = 1" in task_1, "task 1 took part, on node 2"
     assert_chief_alone_wrote(run_dir)
     measured = record(
         weights_difference(final_weights(run_dir), plain_keras_weights),

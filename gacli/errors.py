@@ -34,8 +34,8 @@ class TrainingFailed(RuntimeError):
 
 class ProcessUnusable(TrainingFailed):
     """Training stopped and this process cannot go on: TensorFlow left its memory damaged (an
-    out-of-memory error inside an XLA program). The command line exits at once, without the
-    clean-up that would touch the damaged memory."""
+    out-of-memory error inside an XLA program), or aborted its collectives (a lost worker). The
+    command line exits at once, without the clean-up that would touch the damaged memory."""
 
 
 class Interrupted(Exception):

@@ -244,6 +244,34 @@ def in_multi_worker_mode(strategy):
     )
 
 
+def configure_heartbeat_timeout(seconds):
+    """Set up TensorFlow's coordination service for the TF_CONFIG cluster as
+    ``MultiWorkerMirroredStrategy`` does (it keeps one configured before it), with a heartbeat
+    timeout of ``seconds``: a worker not heard from for that long is reported lost to the others,
+    whose collectives are then aborted with ``tf.errors.UnavailableError``. TensorFlow's public
+    API has no setting for it. Call before the strategy is made."""
+    from tensorflow.python.distribute import collective_all_reduce_strategy, multi_worker_util
+    from tensorflow.python.eager import context
+
+    if context.context().coordination_service is not None:
+        return  # configured already (an earlier job of this process): TensorFlow keeps it
+    cluster_spec = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec()
+    # The protobuf module's path moved between TensorFlow versions; the strategy's import of it
+    # is the one that fits the installed version.
+    protos = collective_all_reduce_strategy.coordination_config_pb2
+    jobs = [
+        protos.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
+        for job in ("chief", "worker")
+        if job in cluster_spec.jobs
+    ]
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        heartbeat_timeout_in_ms=int(seconds * 1000),
+        coordinated_jobs=jobs,
+    )
+
+
 # -- workarounds of Keras bugs, in a mixin for the model wrappers ---------------------------------
 def reducible_logs(logs, strategy):
     """Logs that Keras can average over workers (keras-team/keras#20585).

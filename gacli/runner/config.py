@@ -183,6 +183,8 @@ class StrategyConfig:
     # cluster=slurm: the first worker port on each node, the node's next tasks the ports after it
     # (None: a port from 20000 up that the SLURM job id picks, so jobs sharing a node differ).
     port: Optional[int] = None
+    # multi_worker: seconds without a heartbeat from a worker before the others stop, naming it.
+    peer_timeout_seconds: int = 60
 
 
 @dataclass

@@ -58,6 +58,7 @@ from gacli.runner.config import (
 from gacli.runner.console import ProgressCallback, make_console, startup_panel, summary_table
 from gacli.runner.data import load_dataset
 from gacli.runner.loggers import check_logger_files, ended_with_the_job
+from gacli.runner.lost_worker import is_lost_worker, lost_worker_error
 from gacli.runner.memory_stats import reset_memory_peaks
 from gacli.runner.oom import WindowStart, oom_line, out_of_memory_message, position_in, smaller_plan
 from gacli.runner.resume import guard_run_dir
@@ -411,6 +412,15 @@ class Run:
                     if disk_full(error):  # TensorFlow reports a full disk as exhausted too
                         raise
                     self._recover(error)
+                except tf.errors.OpError as error:
+                    if not (is_multi_worker(self.strategy) and is_lost_worker(error)):
+                        raise
+                    raise lost_worker_error(
+                        error,
+                        self.run_dir,
+                        self.state.latest(),
+                        self.cfg.strategy.peer_timeout_seconds,
+                    ) from error
                 except Exception as error:
                     failed = self._users_code_failed(error)
                     if failed is None:

@@ -82,6 +82,9 @@ def make_strategy(cfg):
                 "(docs/guides/distributed.md shows Kubernetes and SLURM)."
             )
         read_tf_config(config)  # ConfigError, saying what to give, for one that cannot be read
+        from gacli.engine._keras_compat import configure_heartbeat_timeout
+
+        configure_heartbeat_timeout(cfg.peer_timeout_seconds)
         return tf.distribute.MultiWorkerMirroredStrategy()
     # TPU: the resolver finds the TPU from strategy.tpu or the environment (e.g. TPU_NAME).
     try:

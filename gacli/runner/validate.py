@@ -369,6 +369,7 @@ _RANGES = {
     "optimizer.decay_updates": (0, None, True, "optimizer.decay_updates=1000"),
     "lr_reference_batch": (1, None, True, "lr_reference_batch=256"),
     "strategy.port": (1, 65535, True, "strategy.port=29500"),
+    "strategy.peer_timeout_seconds": (5, None, True, "strategy.peer_timeout_seconds=60"),
     "strategy.logical_cpus": (0, None, True, "strategy.logical_cpus=2 (0: devices as they are)"),
     "precision.max_skipped_fraction": (0.0, 1.0, True, "precision.max_skipped_fraction=0.25"),
     "monitor.gns_every": (1, None, True, "monitor.gns_every=4"),
@@ -451,6 +452,7 @@ _READ_ONLY_BY = {
     "strategy.tpu": ("strategy.name", ("tpu",)),
     "strategy.cluster": ("strategy.name", ("multi_worker",)),
     "strategy.port": ("strategy.cluster", ("slurm",)),
+    "strategy.peer_timeout_seconds": ("strategy.name", ("multi_worker",)),
     "check.tolerance": ("check.name", ("equivalence",)),
 }
 

@@ -14,7 +14,7 @@ Configurations, all on the same model, data pipeline, loss, metrics and SGD opti
     gacli_model      gacli.wrap_model(model, accum_steps=k), batch b, steps_per_execution=k
     gacli_optimizer  gacli.GradientAccumulateOptimizer(SGD, accum_steps=k) in a plain Model,
                      steps_per_execution=k
-    ga_train         the ga-train command line (gacli.runner.cli.main) on the same arrays
+    ga_train         the ga-train command line (gacli.runner.command.cli.main) on the same arrays
                      (dataset=npz); it runs a window per call by default (steps_per_execution=k)
 and references outside the targets, to show where the time goes:
     A_spe            A with steps_per_execution=k: plain Keras with the same calls
@@ -249,7 +249,7 @@ def timer_callback(timer):
 def gns_every():
     """Every how many windows the noise scale's configurations measure: GACLI_BENCH_GNS_EVERY,
     unset or empty for monitor.gns_every's default."""
-    from gacli.runner.config import MonitorConfig
+    from gacli.runner.config.schema import MonitorConfig
 
     return int(os.environ.get("GACLI_BENCH_GNS_EVERY") or MonitorConfig.gns_every)
 
@@ -260,7 +260,7 @@ def build_library_config(spec):
     import tensorflow as tf
 
     import gacli
-    from gacli.runner.build import loss_and_metrics
+    from gacli.runner.build.job import loss_and_metrics
 
     name, k = spec["config"], spec["accum_steps"]
     name = "A" if name == "A_again" else name
@@ -339,7 +339,8 @@ def run_library_config(spec, timer_window, build=None):
 def run_ga_train(spec, timer_window, job_dir):
     """The ga-train command line, in this process, with a timer in its progress-callback slot.
 
-    ``gacli.runner.cli.main`` composes the config with Hydra, validates it and calls ``train()``,
+    ``gacli.runner.command.cli.main`` composes the config with Hydra, validates it and calls
+    ``train()``,
     which builds its own callbacks; the timer rides in a subclass of its ProgressCallback
     (progress=none, so that callback does nothing else). Everything train() runs per batch (its
     TensorBoard logger included) is inside the timed window; data loading, compile and the warm-up
@@ -389,7 +390,7 @@ def run_ga_train(spec, timer_window, job_dir):
         raise RuntimeError(f"ga-train exited with status {status}")
     if "timer" not in found:
         raise RuntimeError(
-            "train() created no gacli.runner.run.ProgressCallback, which the timer "
+            "train() created no gacli.runner.training.run.ProgressCallback, which the timer "
             "rides in; update run_ga_train in bench.py"
         )
     return dict(
@@ -445,20 +446,25 @@ def ga_train_overrides(spec, data_path, updates, gns):
 
 def ga_train_modules():
     """The modules of ``ga-train``'s entry point and of ``train()`` (whose ProgressCallback the
-    timer rides in): ``gacli.runner.cli`` and ``gacli.runner.run`` (``.train`` before the runner
-    was split), or in an engine from before the runner had its own package (``ga_train_at`` of an
-    older commit), ``gacli.cli`` and ``gacli.train``. Told apart by the package's folder: an
-    editable install's import hook would find today's ``gacli.runner`` for an older ``gacli``
-    too."""
+    timer rides in), wherever the checked-out commit keeps them (``ga_train_at`` runs older
+    commits): ``gacli.runner.command.cli`` and ``gacli.runner.training.run`` since the runner
+    has rooms; before that ``gacli.runner.cli`` and ``gacli.runner.run`` (``.train`` before the
+    runner was split); before the runner had its own package, ``gacli.cli`` and ``gacli.train``.
+    Told apart by the package's folders: an editable install's import hook would find today's
+    ``gacli.runner`` for an older ``gacli`` too."""
     import importlib
 
     import gacli
 
-    folder = Path(gacli.__file__).parent
-    package = "gacli.runner" if (folder / "runner").is_dir() else "gacli"
-    # train() moved from gacli/runner/train.py to gacli/runner/run.py when the runner was split.
-    job = "run" if (folder / "runner" / "run.py").is_file() else "train"
-    return importlib.import_module(f"{package}.cli"), importlib.import_module(f"{package}.{job}")
+    runner = Path(gacli.__file__).parent / "runner"
+    if (runner / "command").is_dir():
+        names = ("gacli.runner.command.cli", "gacli.runner.training.run")
+    elif runner.is_dir():
+        job = "run" if (runner / "run.py").is_file() else "train"
+        names = ("gacli.runner.cli", f"gacli.runner.{job}")
+    else:
+        names = ("gacli.cli", "gacli.train")
+    return tuple(importlib.import_module(name) for name in names)
 
 
 def run_worker(spec, build=None):
@@ -617,7 +623,7 @@ def ga_train_command():
     from shutil import which
 
     script = which("ga-train")
-    return [script] if script else [sys.executable, "-m", "gacli.runner.cli"]
+    return [script] if script else [sys.executable, "-m", "gacli.runner.command.cli"]
 
 
 def time_startup(kind, rep, work_dir, threads):

@@ -23,7 +23,7 @@ a round alike; ``fit()``'s own start-up and callbacks are left out. ``--rounds``
 
 ``--ga-train`` times what ``ga-train`` does for each update, without its process: its own two
 jobs (``monitor.gns`` off and on, its default ``nonfinite=stop``) are made by its own steps up to
-``fit()`` (``gacli.runner.run.Run``: model, engine, data stream, callbacks), and each round
+``fit()`` (``gacli.runner.training.run.Run``: model, engine, data stream, callbacks), and each round
 runs one compiled call (one window) of each, followed by the callbacks ``fit()`` runs after a
 call (the counters taken from the call's logs, the TensorBoard logger's point), in alternation.
 Between it and ``bench.py``'s ``ga_train_gns`` lie ``fit()``'s own loop, turns of ten updates
@@ -47,7 +47,7 @@ def build(spec, jit, noise_scale, data, nonfinite=None):
     from bench import shipped_model
 
     import gacli
-    from gacli.runner.build import loss_and_metrics
+    from gacli.runner.build.job import loss_and_metrics
 
     keras.utils.set_random_seed(0)
     model = shipped_model(spec)
@@ -121,16 +121,16 @@ def timed_calls(spec, jit, rounds, nonfinite=None):
 
 
 def ga_train_runs(spec, jit, windows, directory):
-    """{monitor.gns: gacli.runner.run.Run}: ga-train's own two jobs on bench.py's arrays,
+    """{monitor.gns: gacli.runner.training.run.Run}: ga-train's own two jobs on bench.py's arrays,
     made by its own steps up to fit() (the model, engine and callbacks as ga-train builds
     them), with a stream of ``windows`` windows each."""
     import numpy as np
     from bench import ga_train_overrides, synthetic_arrays
     from hydra import compose, initialize_config_module
 
-    from gacli.runner.config import register_configs
-    from gacli.runner.run import Run
-    from gacli.runner.runstate import micro_batch_stream
+    from gacli.runner.config.schema import register_configs
+    from gacli.runner.training.run import Run
+    from gacli.runner.training.run_state import micro_batch_stream
 
     x, y = synthetic_arrays(spec)
     data_path = str(Path(directory) / "data.npz")

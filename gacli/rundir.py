@@ -14,7 +14,8 @@
   ``failure.json`` marks only a run that failed.
 
 No TensorFlow here: these checks answer before TensorFlow loads. Which checkpoint can really be
-restored is decided by :class:`gacli.runner.runstate.RunState`, which reads every tensor; the cheap
+restored is decided by :class:`gacli.runner.training.run_state.RunState`, which reads every tensor;
+the cheap
 check here (an index file with its end marker, every data shard present) only picks candidates.
 """
 
@@ -321,7 +322,7 @@ def record_failure(run_dir, exit_code, message):
 
 # What a new run writes before training starts: Hydra's record of the job, the lock, the
 # checkpoint folder it checked it could write to, and (late) the resolved config and the files of
-# its loggers (gacli.runner.loggers): event files, metrics.csv, its MLflow run's id.
+# its loggers (gacli.runner.logs.writers): event files, metrics.csv, its MLflow run's id.
 _BEFORE_TRAINING = {
     ".hydra",
     LOCK_FILE,
@@ -419,7 +420,8 @@ def clear_unsaved_start(run_dir):
 
 
 # The record a run that trains nothing leaves instead of result.json, written last and atomically
-# (gacli.runner.batch_probe and gacli.runner.equivalence_check): its presence marks it finished.
+# (gacli.runner.tools.batch_probe and gacli.runner.tools.equivalence_check): its presence marks it
+# finished.
 PROBE_FILE = "probe.json"
 EQUIVALENCE_FILE = "equivalence.json"
 _FINISHED_WITHOUT_RESULT = ((PROBE_FILE, "probe=batch"), (EQUIVALENCE_FILE, "check=equivalence"))

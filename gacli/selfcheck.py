@@ -1,9 +1,9 @@
 """``python -m gacli.selfcheck``: gacli's own check of a machine's GPU (see
-:mod:`gacli.runner.selfcheck` and docs/guides/gpu.md)."""
+:mod:`gacli.runner.tools.selfcheck` and docs/guides/gpu.md)."""
 
 import sys
 
-from gacli.runner.selfcheck import main
+from gacli.runner.tools.selfcheck import main
 
 if __name__ == "__main__":
     sys.exit(main())

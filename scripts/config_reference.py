@@ -1,5 +1,6 @@
 """Write docs/reference/config.md, ga-train's config reference, from the one declaration of its
-settings: the dataclasses of gacli/runner/config.py (each key, its type, and the comments beside
+settings: the dataclasses of gacli/runner/config/schema.py (each key, its type, and the comments
+beside
 and above it), the enums whose members are a key's choices (with their comments), the ranges and
 the keys that only some choices read (validate.py's ``_RANGES`` and ``_READ_ONLY_BY``), the keys a
 resumed run may change (``FREE_ON_RESUME``), the config groups and recipes that ship with the
@@ -65,7 +66,7 @@ TYPES_SHOWN = {"micro_batch_size": "int or `auto`", "logger": "list of names"}
 
 INTRO = """# Config reference
 
-Every key `ga-train` reads, generated from the typed schema in `gacli/runner/config.py` (its
+Every key `ga-train` reads, generated from the typed schema in `gacli/runner/config/schema.py` (its
 dataclasses and their comments), the config groups in `configs/` and the recipes in `recipes/`,
 by `scripts/config_reference.py`; a test fails when this page is not current.
 
@@ -160,7 +161,7 @@ def default_job():
     """The default job's config, composed by Hydra as ``ga-train`` composes it."""
     from hydra import compose, initialize_config_module
 
-    from gacli.runner.config import register_configs
+    from gacli.runner.config.schema import register_configs
 
     register_configs()
     with initialize_config_module("gacli.configs", version_base="1.3"):
@@ -181,7 +182,7 @@ def job_value(cfg, key):
 def notes(key, config):
     """What the declaration says besides the comment: the range, the choices that read the key,
     whether a resumed run may change it, and the guide that explains it."""
-    from gacli.runner import validate
+    from gacli.runner.config import validate
 
     said = []
     low, high, closed, _ = validate._RANGES.get(key, (None, None, True, None))
@@ -317,7 +318,7 @@ def shipped_arguments(group, folder, config):
 
     from omegaconf import OmegaConf
 
-    from gacli.runner.arguments import FILLED
+    from gacli.runner.config.arguments import FILLED
 
     if group not in config.SHIPPED:
         return []
@@ -372,7 +373,7 @@ def recipe_section():
 
 
 def page():
-    from gacli.runner import config
+    from gacli.runner.config import schema as config
 
     cfg = default_job()
     top = key_rows(config.TrainConfig, "", cfg, config)

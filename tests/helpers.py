@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util.tensor_util import make_ndarray
 
 import gacli
-from gacli.runner.config import register_configs
+from gacli.runner.config.schema import register_configs
 
 # Every weight difference a test measures, by test: conftest prints them at the end of the run,
 # so the numbers behind each contract row are visible, not just "passed".
@@ -307,7 +307,7 @@ def shipped(package, group=None):
 
 def compose_config(*overrides):
     """ga-train's config for ``overrides``, composed in-process (quiet unless progress= given)."""
-    from gacli.runner.user_config import replaced_sections
+    from gacli.runner.command.user_input import replaced_sections
 
     register_configs()
     with initialize_config_module("gacli.configs", version_base="1.3"):
@@ -328,9 +328,9 @@ def ga_train_big_batch_reference(cfg, window, learning_rates=None):
     (``pass_order``, which test_nonfinite checks against the stream ga-train reads), and a window
     is the next ``window`` samples of it, the last one of an epoch short (partial_window=apply).
     """
-    from gacli.runner.data import load_dataset
-    from gacli.runner.models import build_model
-    from gacli.runner.runstate import pass_order
+    from gacli.runner.build.data import load_dataset
+    from gacli.runner.build.model import build_model
+    from gacli.runner.training.run_state import pass_order
 
     assert (cfg.optimizer._target_, cfg.optimizer.schedule.value) == (
         "keras.optimizers.SGD",

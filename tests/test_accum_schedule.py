@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from gacli.runner.accum_schedule import grown_accum_steps, power_of_two_nearest, stage_records
+from gacli.runner.plan.accum_schedule import grown_accum_steps, power_of_two_nearest, stage_records
 from helpers import (
     compose_config,
     event_tags,
@@ -43,7 +43,7 @@ MICRO_BATCHES = 45
 
 
 def _run(tmp_path, *overrides):
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
 
     run_dir = str(tmp_path / "run")
     train(compose_config(*overrides), run_dir=run_dir)
@@ -53,7 +53,7 @@ def _run(tmp_path, *overrides):
 # -- bad input --------------------------------------------------------------------------------
 CHECK = """
 import sys
-from gacli.runner.cli import main
+from gacli.runner.command.cli import main
 try:
     print("exit code:", main(sys.argv[1:]))  # refused before Hydra starts: returns the code
 except SystemExit as stop:
@@ -222,9 +222,9 @@ def _micro_batch_bn_reference(cfg, accum_by_epoch):
     import keras
     import tensorflow as tf
 
-    from gacli.runner.data import load_dataset
-    from gacli.runner.models import build_model
-    from gacli.runner.runstate import pass_order
+    from gacli.runner.build.data import load_dataset
+    from gacli.runner.build.model import build_model
+    from gacli.runner.training.run_state import pass_order
 
     data = load_dataset(cfg.dataset, cfg.seed)
     x, y = (np.stack(column) for column in zip(*data.train.as_numpy_iterator()))
@@ -432,8 +432,8 @@ def test_gns_growth_follows_the_noise_scale_of_every_example(tmp_path, gns_data,
     run (from the first epoch's checkpoint) decides the same from the checkpointed averages."""
     import keras
 
-    from gacli.runner.data import load_dataset
-    from gacli.runner.models import build_model
+    from gacli.runner.build.data import load_dataset
+    from gacli.runner.build.model import build_model
 
     cfg = compose_config(*_gns_job(gns_data))
     data = load_dataset(cfg.dataset, cfg.seed)
@@ -474,7 +474,7 @@ def test_gns_growth_follows_the_noise_scale_of_every_example(tmp_path, gns_data,
         os.remove(path)
     with open(os.path.join(checkpoints, "checkpoint"), "w") as index:
         index.write(f'model_checkpoint_path: "ckpt-{numbers[0]}"\n')
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
 
     train(compose_config(*_gns_job(gns_data), f"resume={resumed}"), run_dir=resumed)
     printed = capsys.readouterr().out.splitlines()

@@ -11,10 +11,10 @@ import signal
 
 import pytest
 
-from gacli.runner.autobatch import Probe, choose, ladder, search
-from gacli.runner.batch_plan import AutoPlan, resolve_batch
-from gacli.runner.config import ConfigError
-from gacli.runner.run import train
+from gacli.runner.config.schema import ConfigError
+from gacli.runner.plan.auto_micro_batch import Probe, choose, ladder, search
+from gacli.runner.plan.batch import AutoPlan, resolve_batch
+from gacli.runner.training.run import train
 from helpers import (
     compose_config,
     final_weights,
@@ -98,7 +98,7 @@ def test_auto_ends_with_the_weights_of_the_chosen_size_given_by_hand(tmp_path, m
 
 
 def test_a_resumed_run_keeps_the_probed_size_without_probing(tmp_path, monkeypatch):
-    from gacli.runner import autobatch as autobatch_module
+    from gacli.runner.plan import auto_micro_batch as autobatch_module
 
     run_dir = tmp_path / "run"
     os.makedirs(run_dir)
@@ -178,8 +178,8 @@ def test_with_nothing_out_of_memory_largest_prefers_the_fastest_within_a_few_per
     assert choose(probes, candidates, "largest", 0.1) == 32  # 64 is 12% slower than 32
     probes[64] = Probe(64, True, 1000.0)  # 2% slower: as fast, and larger
     assert choose(probes, candidates, "largest", 0.1) == 64
-    from gacli.runner.autobatch import probe_lines
-    from gacli.runner.config import AutoBatchConfig
+    from gacli.runner.config.schema import AutoBatchConfig
+    from gacli.runner.plan.auto_micro_batch import probe_lines
 
     (why, header, *rows) = probe_lines(64, probes, AutoBatchConfig())
     assert "nothing ran out of memory, so the largest size within 3% of the fastest" in why
@@ -187,7 +187,7 @@ def test_with_nothing_out_of_memory_largest_prefers_the_fastest_within_a_few_per
 
 
 def test_the_sizes_are_bounded_by_the_data_and_the_noise_scale_before_probing():
-    from gacli.runner.autobatch import auto_candidates
+    from gacli.runner.plan.auto_micro_batch import auto_candidates
 
     cfg = compose_config("micro_batch_size=auto", "effective_batch_size=128")
     plan = AutoPlan(None, 128, 1)

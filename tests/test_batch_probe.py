@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from gacli.runner.batch_probe import critical_batch_size, probe_batch
-from gacli.runner.run import train
+from gacli.runner.tools.batch_probe import critical_batch_size, probe_batch
+from gacli.runner.training.run import train
 from helpers import (
     compose_config,
     final_weights,
@@ -68,7 +68,7 @@ def test_each_branch_is_the_plain_run_of_its_size_and_leaves_nothing_behind(tmp_
 
 
 def test_probe_from_starts_every_branch_from_that_runs_weights(tmp_path):
-    from gacli.runner.batch_probe import BranchRun, _start_point, branch_config
+    from gacli.runner.tools.batch_probe import BranchRun, _start_point, branch_config
 
     finished = str(tmp_path / "finished")
     train(compose_config(*JOB, "epochs=1", "steps_per_epoch=3"), finished)
@@ -104,7 +104,7 @@ def test_bad_probe_settings_fail_before_tensorflow_loads(tmp_path, arguments, ex
         "import atexit, sys\n"
         "atexit.register(lambda: print('tensorflow' in sys.modules and 'tensorflow loaded' or "
         "'no tensorflow'))\n"
-        "from gacli.runner.cli import main\n"
+        "from gacli.runner.command.cli import main\n"
         f"sys.exit(main({['probe=batch', *arguments]!r}))\n"
     )
     done = subprocess.run(

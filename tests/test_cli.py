@@ -162,7 +162,7 @@ def test_bad_input_gives_one_clear_message_and_no_traceback(arguments, first_lin
 
 CHECK_IMPORTS = """
 import sys
-from gacli.runner.cli import main
+from gacli.runner.command.cli import main
 try:
     main(sys.argv[1:])
 except SystemExit:
@@ -196,7 +196,7 @@ def test_help_and_config_errors_answer_without_importing_tensorflow(arguments, t
 
 SIGNAL_AT_ONCE = """
 import os, signal, sys
-from gacli.runner import cli
+from gacli.runner.command import cli
 slow = {"omegaconf", "hydra", "yaml", "keras", "tensorflow"}
 print("loaded by the import:", sorted(slow & {name.split(".")[0] for name in sys.modules}))
 cli._versions = lambda: os.kill(os.getpid(), signal.SIGTERM)  # main's first step, signalled

@@ -2,8 +2,8 @@
 
 import pytest
 
-from gacli.runner.batch_plan import resolve_batch
-from gacli.runner.config import ConfigError
+from gacli.runner.config.schema import ConfigError
+from gacli.runner.plan.batch import resolve_batch
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,7 @@ FILES = [
 ]
 CHECK = """
 import contextlib, io, json, sys
-from gacli.runner.cli import main
+from gacli.runner.command.cli import main
 results = []
 for arguments in json.loads(sys.argv[1]):
     err = io.StringIO()
@@ -156,8 +156,8 @@ RECIPES = {name: ((f"config={name}.yaml",), None) for name in shipped("gacli.rec
 def _dry_run(arguments, run_dir, capsys):
     """One optimizer update of the job of ``arguments`` (a recipe: composed from its file), by
     ga-train's own code in this process; (result.json, the start-up panel's output)."""
-    from gacli.runner.run import train
-    from gacli.runner.validate import validate
+    from gacli.runner.config.validate import validate
+    from gacli.runner.training.run import train
 
     recipe = [a.split("=", 1)[1][: -len(".yaml")] for a in arguments if a.startswith("config=")]
     others = [a for a in arguments if not a.startswith("config=")]
@@ -179,8 +179,8 @@ def _dry_run(arguments, run_dir, capsys):
 def _compose_recipe(name, overrides):
     from hydra import compose, initialize_config_module
 
-    from gacli.runner.config import register_configs
-    from gacli.runner.user_config import replaced_sections
+    from gacli.runner.command.user_input import replaced_sections
+    from gacli.runner.config.schema import register_configs
 
     register_configs()
     with initialize_config_module("gacli.recipes", version_base="1.3"):
@@ -216,7 +216,7 @@ def test_every_option_of_every_group_is_covered_by_a_dry_run_or_composes():
     """The dry runs above name every model, dataset, optimizer and precision file; the groups
     that name no _target_ (strategy, check, probe) compose and pass validation for each option
     (the strategies that need devices or a cluster run in their own tests)."""
-    from gacli.runner.validate import validate
+    from gacli.runner.config.validate import validate
 
     covered = {a for arguments, _ in DRY_RUNS.values() for a in arguments}
     covered.add("precision=fp32")  # the default job's

@@ -12,8 +12,8 @@ import pytest
 from rich.console import Console
 
 from gacli.errors import ConfigError
-from gacli.runner.batch_plan import BatchPlan, resolve_batch
-from gacli.runner.validate import validate
+from gacli.runner.config.validate import validate
+from gacli.runner.plan.batch import BatchPlan, resolve_batch
 from helpers import compose_config, ga_train
 
 # -- the batch arithmetic: only suggestions that give the size they state --------------------
@@ -49,8 +49,8 @@ def test_no_micro_batch_gives_the_effective_batch_and_every_suggestion_works(
 
 
 def test_a_schedule_larger_than_the_data_suggests_a_schedule_that_works():
-    from gacli.runner.accum_schedule import check_schedule
-    from gacli.runner.steps import check_batch_fits_data
+    from gacli.runner.plan.accum_schedule import check_schedule
+    from gacli.runner.plan.steps import check_batch_fits_data
 
     cfg = compose_config("accum_schedule={0:100000000000}", "epochs=3")
     train_size = 1438  # the digits' training split
@@ -71,7 +71,7 @@ def test_a_schedule_larger_than_the_data_suggests_a_schedule_that_works():
 
 
 def test_an_empty_validation_split_is_refused_before_training(tmp_path):
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
 
     rng = np.random.default_rng(0)
     path = tmp_path / "two.npz"
@@ -127,7 +127,7 @@ def test_a_nan_tolerance_is_refused_before_tensorflow(tmp_path):
 
 
 def test_probe_samples_beyond_the_training_set_are_cut_with_a_line():
-    from gacli.runner.batch_probe import samples_within_training_set
+    from gacli.runner.tools.batch_probe import samples_within_training_set
 
     printed = io.StringIO()
     console = Console(file=printed, width=400)
@@ -163,8 +163,8 @@ def test_an_optuna_sweep_with_a_misspelt_objective_ends_before_its_first_trial(t
 
 
 def test_every_objective_a_sweep_accepts_is_one_a_run_logs():
-    from gacli.runner.build import loss_and_metrics
-    from gacli.runner.objective import LOGGED
+    from gacli.runner.build.job import loss_and_metrics
+    from gacli.runner.config.objective import LOGGED
 
     logged = set()
     tasks = (("classification", 10), ("segmentation", 1), ("segmentation", 3), ("regression", 2))

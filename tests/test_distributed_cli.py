@@ -95,7 +95,7 @@ def plain_keras_weights():
 def big_batch_run(tmp_path_factory):
     """BIG_BATCH_JOB's run directory: ga-train's training, in this process (a reference that the
     console script would only start more slowly; the tests below run ga-train as users do)."""
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
 
     run_dir = str(tmp_path_factory.mktemp("big_batch") / "run")
     train(compose_config(*BIG_BATCH_JOB), run_dir)

@@ -116,7 +116,7 @@ def test_the_config_reference_names_every_key():
     """Every key of the schema, nested ones too, has its row (the generator skips none)."""
     import dataclasses
 
-    from gacli.runner.config import TrainConfig
+    from gacli.runner.config.schema import TrainConfig
 
     def keys(schema, prefix=""):
         for item in dataclasses.fields(schema):

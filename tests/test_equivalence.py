@@ -293,7 +293,7 @@ def test_ga_train_check_names_batch_norm_in_its_verdict_not_in_a_python_warning(
     import re
     import warnings
 
-    from gacli.runner.equivalence_check import NotEquivalent, run_equivalence_check
+    from gacli.runner.tools.equivalence_check import NotEquivalent, run_equivalence_check
     from helpers import compose_config
 
     with warnings.catch_warnings(record=True) as caught:

@@ -129,7 +129,7 @@ def test_both_wrappers_exact_in_fit_under_xla_on_the_gpu(wrapper):
 @needs_gpu
 @pytest.mark.gpu
 def test_ga_train_on_the_gpu_logs_device_memory_and_loss_scale(tmp_path):
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
 
     run_dir = str(tmp_path / "run")
     metrics = train(
@@ -209,7 +209,7 @@ def test_the_self_check_passes_and_reports_every_exactness_case(capsys):
     """``python -m gacli.selfcheck --quick --no-ga-train`` in-process: on a CPU it compares both
     wrappers with the big batch with TF32 off (XLA off and on, two optimizers), says that no GPU
     was there to check, and exits 0."""
-    from gacli.runner.selfcheck import main
+    from gacli.runner.tools.selfcheck import main
 
     assert main(["--quick", "--no-ga-train"]) == 0
     output = capsys.readouterr().out

@@ -23,10 +23,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util.tensor_util import make_ndarray
 
 from gacli.errors import ConfigError, TrainingFailed
-from gacli.runner import mlflow_run
-from gacli.runner.metrics_csv import MetricsCsv
-from gacli.runner.run import train
-from gacli.runner.validate import validate
+from gacli.runner.config.validate import validate
+from gacli.runner.logs import mlflow_run
+from gacli.runner.logs.csv_file import MetricsCsv
+from gacli.runner.training.run import train
 from helpers import compose_config, ga_report, ga_train, start_ga_train
 
 needs_mlflow = pytest.mark.skipif(

@@ -3,7 +3,7 @@ cluster needed: the texts are the ones TensorFlow 2.21 gave on the two-node SLUR
 
 import json
 
-from gacli.runner.lost_worker import lost_tasks, lost_worker_error
+from gacli.runner.cluster.lost_worker import lost_tasks, lost_worker_error
 
 CLUSTER = {"worker": ["gacli-node1:20448", "gacli-node2:20448", "gacli-node3:20448"]}
 RESET = (

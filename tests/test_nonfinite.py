@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import gacli
-from gacli.runner.runstate import PassOrder, micro_batch_stream, pass_order
+from gacli.runner.training.run_state import PassOrder, micro_batch_stream, pass_order
 from helpers import (
     FEATURES,
     big_batch_reference,

@@ -3,7 +3,7 @@ start, halves the micro-batch and goes on; the run ends with the weights of plai
 batch, as an uninterrupted run does. oom=fail (the default) stops with what to type instead.
 The error is real (tf.errors.ResourceExhaustedError from a failed allocation inside the compiled
 step), injected with GACLI_FAKE_OOM_ABOVE / GACLI_FAKE_OOM_FROM_MICRO_STEP
-(gacli/runner/faults.py)."""
+(gacli/runner/training/fault_injection.py)."""
 
 import json
 import os
@@ -12,11 +12,16 @@ import keras
 import numpy as np
 import pytest
 
-from gacli.runner.batch_plan import BatchPlan
-from gacli.runner.data import load_dataset
-from gacli.runner.oom import WindowStart, position_in, smaller_micro_batch, smaller_plan
-from gacli.runner.run import train
-from gacli.runner.throughput import ChangedLayout, MicroBatchLayout
+from gacli.runner.build.data import load_dataset
+from gacli.runner.logs.throughput import ChangedLayout, MicroBatchLayout
+from gacli.runner.plan.batch import BatchPlan
+from gacli.runner.plan.out_of_memory import (
+    WindowStart,
+    position_in,
+    smaller_micro_batch,
+    smaller_plan,
+)
+from gacli.runner.training.run import train
 from helpers import (
     compose_config,
     event_tags,
@@ -61,7 +66,7 @@ def test_the_micro_batch_halves_to_a_divisor_and_the_position_follows_the_sample
 def test_the_call_that_compiles_again_after_a_recovery_is_not_timed():
     import tensorflow as tf
 
-    from gacli.runner.throughput import TrainingClock
+    from gacli.runner.logs.throughput import TrainingClock
 
     class Counter:
         micro_step = tf.Variable(0, dtype="int64")

@@ -206,8 +206,8 @@ def test_rundir_and_errors_import_what_engine_md_says():
 
 def test_the_runners_exceptions_are_the_ones_engine_md_names():
     """docs/engine.md: the runner uses the engine's public modules; its only private engine
-    import is strategy.py's of _keras_compat, and its only import of the report is
-    selfcheck.py's of the event reader. A new one fails here until the page names it."""
+    import is cluster/strategy.py's of _keras_compat, and its only import of the report is
+    tools/selfcheck.py's of the event reader. A new one fails here until the page names it."""
     found = sorted(
         {
             (name, module)
@@ -217,7 +217,24 @@ def test_the_runners_exceptions_are_the_ones_engine_md_names():
         }
     )
     expected = [
-        (os.path.join("runner", "selfcheck.py"), "gacli.report.run_events"),
-        (os.path.join("runner", "strategy.py"), "gacli.engine._keras_compat"),
+        (os.path.join("runner", "cluster", "strategy.py"), "gacli.engine._keras_compat"),
+        (os.path.join("runner", "tools", "selfcheck.py"), "gacli.report.run_events"),
     ]
     assert found == expected
+
+
+def test_every_module_is_listed_with_its_job_in_the_engine_page():
+    """docs/engine.md's "Every module" table names each module of the package once (its
+    __init__.py files aside: a folder's docstring says what the folder holds), and nothing else."""
+    import re
+
+    with open(os.path.join(ROOT, "docs", "engine.md")) as handle:
+        page = handle.read()
+    section = page.split("## Every module", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `(gacli/[\w/]+\.py)` \|", section, flags=re.M)
+    modules = {
+        "gacli/" + name for name, _ in _sources() if os.path.basename(name) != "__init__.py"
+    }
+    assert len(listed) == len(set(listed)), "a module is listed twice"
+    assert sorted(modules - set(listed)) == [], "modules with no row"
+    assert sorted(set(listed) - modules) == [], "rows of modules that do not exist"

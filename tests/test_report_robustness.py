@@ -295,7 +295,7 @@ def test_the_command_of_a_run_of_the_user_s_modules_sets_their_pythonpath(tmp_pa
 def test_epoch_logs_keep_only_finite_numbers(tmp_path):
     from types import SimpleNamespace
 
-    from gacli.runner.runstate import EPOCH_LOGS, RunState
+    from gacli.runner.training.run_state import EPOCH_LOGS, RunState
 
     os.makedirs(tmp_path / "checkpoints")
     _rewrite(

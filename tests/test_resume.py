@@ -43,7 +43,7 @@ def start_and_interrupt(cwd, number, arguments=JOB):
 def uninterrupted(tmp_path_factory):
     """JOB's run directory, trained without a stop: ga-train's training, in this process (the
     reference the interrupted runs, started as users start them, must end at)."""
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
 
     run_dir = str(tmp_path_factory.mktemp("uninterrupted") / "run")
     train(compose_config(*JOB), run_dir)
@@ -138,7 +138,7 @@ def test_resume_errors_say_what_to_type(tmp_path):
 
 
 def test_a_checkpoint_after_an_epochs_last_micro_batch_resumes_at_the_next_epoch():
-    from gacli.runner.run import _segments
+    from gacli.runner.training.run import _segments
 
     # (epoch, micro-batches done) -> fit() calls: (first epoch, end, steps per epoch, skipped)
     assert _segments((0, 0), 10, 3) == [(0, 3, 10, 0)]
@@ -153,7 +153,7 @@ def test_a_checkpoint_after_an_epochs_last_micro_batch_resumes_at_the_next_epoch
 
 STREAM_MEMORY = """
 import resource, numpy as np, tensorflow as tf
-from gacli.runner.runstate import PassOrder, micro_batch_stream
+from gacli.runner.training.run_state import PassOrder, micro_batch_stream
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 data = tf.data.Dataset.from_tensor_slices(np.ones((5000, 800), "float32"))  # 16 MB
 before = peak()
@@ -302,7 +302,7 @@ def test_a_run_stopped_after_its_last_checkpoint_resumes_to_the_same_metrics(tmp
 FINISH_AND_CHECK_THE_LOCK = """
 import fcntl, sys
 from gacli import rundir
-from gacli.runner.cli import main
+from gacli.runner.command.cli import main
 try:
     main(sys.argv[1:])
 except SystemExit as stop:
@@ -357,8 +357,8 @@ def test_resume_is_exact_with_layers_that_draw_random_numbers(tmp_path, monkeypa
     import tensorflow as tf
 
     from gacli.errors import Interrupted
-    from gacli.runner.run import train
-    from gacli.runner.runstate import RunCheckpoint
+    from gacli.runner.training.run import train
+    from gacli.runner.training.run_state import RunCheckpoint
 
     uninterrupted, stopped = str(tmp_path / "uninterrupted"), str(tmp_path / "stopped")
     train(compose_config(*RANDOM_JOB), uninterrupted)
@@ -436,7 +436,7 @@ def test_a_checkpoint_without_random_state_resumes_and_says_so(tmp_path):
     import keras
     import tensorflow as tf
 
-    from gacli.runner.runstate import RunState
+    from gacli.runner.training.run_state import RunState
 
     model = _noisy_subclassed_model()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -467,7 +467,7 @@ def test_a_resume_logs_no_tensorflow_deprecation_notice(tmp_path, monkeypatch):
     import tensorflow as tf
     from tensorflow.python.util import deprecation
 
-    from gacli.runner.runstate import RunState
+    from gacli.runner.training.run_state import RunState
 
     # TensorFlow logs each deprecation once in a process: as if none had been logged yet.
     monkeypatch.setattr(deprecation, "_PRINTED_WARNING", {})

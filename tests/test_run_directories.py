@@ -20,8 +20,8 @@ import time
 import pytest
 
 from gacli import rundir
-from gacli.runner.batch_probe import PROBE_FILE
-from gacli.runner.equivalence_check import EQUIVALENCE_FILE
+from gacli.runner.tools.batch_probe import PROBE_FILE
+from gacli.runner.tools.equivalence_check import EQUIVALENCE_FILE
 from helpers import ga_train, start_ga_train
 
 QUICK = ("epochs=1", "progress=none")
@@ -74,7 +74,7 @@ def test_the_chief_of_a_cluster_of_several_is_refused_under_one_process(tmp_path
     assert "add strategy=multi_worker" in output and "unset TF_CONFIG" in output
     assert run_dirs(tmp_path) == []
     # A cluster of one (and an evaluator beside it) is a process on its own.
-    from gacli.runner.cli import _refuse_lone_worker
+    from gacli.runner.command.cli import _refuse_lone_worker
     from helpers import compose_config
 
     alone = {"worker": ["127.0.0.1:20001"], "evaluator": ["127.0.0.1:20002"]}

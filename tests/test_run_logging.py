@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-import gacli.runner.run
-from gacli.runner.run import train
-from gacli.runner.run_logging import host_memory_bytes
+import gacli.runner.training.run
+from gacli.runner.logs.run_logs import host_memory_bytes
+from gacli.runner.training.run import train
 from helpers import compose_config, event_tags, scalars
 
 BATCH_TAGS = (
@@ -38,7 +38,7 @@ def npz_run(tmp_path, monkeypatch, samples, *overrides, validation_split=0.0):
     run_dir = str(tmp_path / "run")
     buffer = io.StringIO()
     monkeypatch.setattr(
-        gacli.runner.run,
+        gacli.runner.training.run,
         "make_console",
         lambda: Console(file=buffer, force_terminal=False, width=200),
     )

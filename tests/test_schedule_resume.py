@@ -43,7 +43,7 @@ def _keep_checkpoints_up_to(run_dir, number):
 
 
 def test_gns_resumed_at_an_epoch_start_grows_from_the_restored_stage(tmp_path, capsys):
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
 
     uninterrupted = str(tmp_path / "uninterrupted")
     train(compose_config(*GNS_JOB), run_dir=uninterrupted)
@@ -76,7 +76,7 @@ def test_gns_resumed_at_an_epoch_start_grows_from_the_restored_stage(tmp_path, c
 def test_resumed_after_the_last_epoch_reports_the_last_stage(tmp_path):
     """Resumed from the final epoch's checkpoint (nothing left to train): result.json names the
     stage the run ended in, not the configured accum_steps."""
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
 
     job = ("epochs=2", "accum_schedule={0:1,1:4}", "micro_batch_size=64")
     uninterrupted = str(tmp_path / "uninterrupted")
@@ -95,7 +95,7 @@ def test_resumed_after_the_last_epoch_reports_the_last_stage(tmp_path):
 def test_oom_recoveries_before_a_resume_are_counted_after_it(tmp_path, monkeypatch):
     """oom=recover halves 16 -> 8 in the first epoch; resumed from that epoch's checkpoint, a
     second recovery (8 -> 4) is the run's second: batch_plan.json and the logged count say 2."""
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
 
     job = ("optimizer=momentum", "epochs=2", "micro_batch_size=16", "accum_steps=8", "oom=recover")
     monkeypatch.setenv("GACLI_FAKE_OOM_ABOVE", "8")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gacli.errors import ConfigError
-from gacli.runner import slurm
+from gacli.runner.cluster import slurm
 from helpers import ga_train
 
 

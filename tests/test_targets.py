@@ -16,11 +16,12 @@ from user_project import nets
 
 from gacli.engine.schedules import LinearWarmup
 from gacli.errors import ConfigError
-from gacli.runner import objective, targets
-from gacli.runner.arguments import section_arguments
-from gacli.runner.optimizers import build_optimizer
-from gacli.runner.user_config import check_overrides, check_user_yaml, replaced_sections
-from gacli.runner.validate import validate
+from gacli.runner.build import targets
+from gacli.runner.build.optimizer import build_optimizer
+from gacli.runner.command.user_input import check_overrides, check_user_yaml, replaced_sections
+from gacli.runner.config import objective
+from gacli.runner.config.arguments import section_arguments
+from gacli.runner.config.validate import validate
 from helpers import compose_config, ga_train, shipped
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -84,17 +85,17 @@ def test_a_model_keras_cannot_rebuild_is_saved_as_weights_that_load_into_it(
     predictions."""
     import hashlib
 
-    import gacli.runner.run
+    import gacli.runner.training.run
 
     trained = []
-    save = gacli.runner.run._save_model
+    save = gacli.runner.training.run._save_model
     monkeypatch.setattr(
-        gacli.runner.run,
+        gacli.runner.training.run,
         "_save_model",
         lambda model, *rest: save(trained.append(model) or model, *rest),
     )
     run_dir = tmp_path / "run"
-    gacli.runner.run.train(
+    gacli.runner.training.run.train(
         compose_config(
             "model._target_=user_project.nets.DefaultsNet",
             "model.width=8",
@@ -340,7 +341,7 @@ def test_early_stopping_that_sets_its_best_weights_back_reports_their_metrics(tm
     model's."""
     import hashlib
 
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
     from helpers import final_weights
 
     run_dir = tmp_path / "run"
@@ -367,10 +368,10 @@ def test_a_job_that_would_train_nothing_is_refused_before_training(tmp_path):
     """A model none of whose weights trains, as ga-train runs it; then the model and data checks
     it calls: a model of no weights, one that computes in float16 without loss scaling, and data
     whose every sample weight is 0 (the loss would be 0.0, which a sweep ranks best)."""
-    from gacli.runner.build import check_trainable
-    from gacli.runner.config import Policy
-    from gacli.runner.data import load_dataset
-    from gacli.runner.run import train
+    from gacli.runner.build.data import load_dataset
+    from gacli.runner.build.job import check_trainable
+    from gacli.runner.config.schema import Policy
+    from gacli.runner.training.run import train
 
     frozen = ("epochs=1", "model._target_=user_project.nets.frozen")
     with pytest.raises(ConfigError) as refused:
@@ -408,7 +409,7 @@ def test_a_run_that_trains_nothing_fails_and_writes_no_result(tmp_path):
     micro-batches); windows that hold no sample weight (loss_normalization=window_weights), most
     of them here, count against precision.max_skipped_fraction under nonfinite=stop too."""
     from gacli.errors import TrainingFailed
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
 
     with pytest.raises(TrainingFailed) as failed:
         train(
@@ -462,7 +463,7 @@ def test_users_code_that_raises_in_training_is_named_and_the_run_resumes(tmp_pat
     from user_project import hooks
 
     from gacli.errors import TrainingFailed
-    from gacli.runner.run import train
+    from gacli.runner.training.run import train
 
     run_dir = tmp_path / "run"
     job = (
@@ -549,9 +550,9 @@ def test_the_users_part_that_raised_in_fit_is_found():
 
 
 def test_a_model_loss_or_metric_that_cannot_train_is_refused_before_training():
-    from gacli.runner.build import check_fits
-    from gacli.runner.data import load_dataset
-    from gacli.runner.models import build_model
+    from gacli.runner.build.data import load_dataset
+    from gacli.runner.build.job import check_fits
+    from gacli.runner.build.model import build_model
 
     with pytest.raises(ConfigError) as refused:
         targets.build_metrics(["accuracy", "accuracyy"])
@@ -597,7 +598,7 @@ def test_a_model_loss_or_metric_that_cannot_train_is_refused_before_training():
 def test_data_from_a_dataset_target_that_cannot_train_is_refused(monkeypatch):
     """Regression targets of more than one axis a sample; a generator that never ends (its size
     unknown), read up to a limit (lowered here from its million)."""
-    from gacli.runner import data
+    from gacli.runner.build import data
 
     grids = compose_config(
         "dataset._target_=user_project.data.grid_targets", "dataset.task=regression"

@@ -1,4 +1,6 @@
-"""``ga-train``: the typed config, the data, models and optimizers it builds, and the
-:class:`~gacli.runner.run.Run` that owns one training job. It uses the engine as a library
-user would. docs/engine.md lists its modules and the job of each.
+"""``ga-train``, in rooms by job: ``command/`` (the command line), ``config/`` (the schema and its
+validation), ``plan/`` (the batch plan), ``build/`` (model, data, optimizer), ``cluster/``
+(strategies and SLURM), ``training/`` (the run, checkpoints, resume), ``logs/`` (TensorBoard, CSV,
+MLflow, console) and ``tools/`` (the probe, the equivalence check, the self-check). It uses the
+engine as a library user would. docs/engine.md lists its modules and the job of each.
 """

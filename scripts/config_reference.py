@@ -9,7 +9,8 @@ package (each YAML file's opening comment), and the default job's values as Hydr
     python scripts/config_reference.py           # rewrite the page
     python scripts/config_reference.py --check   # exit 1 when the page is not current
 
-tests/test_docs.py fails when the committed page differs from what this writes, so a change to
+tests/project/test_docs.py fails when the committed page differs from what this writes, so a change
+to
 the settings that leaves the page behind does not pass.
 """
 

@@ -4,7 +4,8 @@ ga-train run as a user runs it.
 
 Imported as ``helpers``: pytest puts ``tests/`` on ``sys.path`` (``pythonpath`` in
 pyproject.toml), and a script run as ``python tests/<script>.py`` has its own folder there.
-``gacli`` is always the installed package. No test module imports another.
+``gacli`` is always the installed package. A test module imports another only from its own folder
+(the cluster tests share their job; the report's robustness tests the faults' sweeps).
 """
 
 import glob
@@ -24,6 +25,9 @@ from tensorboard.util.tensor_util import make_ndarray
 
 import gacli
 from gacli.runner.config.schema import register_configs
+
+TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: helpers, fixtures, user_project
+ROOT = os.path.dirname(TESTS)  # the repository
 
 # Every weight difference a test measures, by test: conftest prints them at the end of the run,
 # so the numbers behind each contract row are visible, not just "passed".
@@ -497,3 +501,36 @@ def gns_softmax_model(input_shape, num_outputs, task, descent_steps=0, label_noi
     model = keras.Model(inputs, keras.layers.Dense(num_outputs)(inputs))
     model.layers[-1].set_weights([kernel.astype("float32"), bias.astype("float32")])
     return model
+
+
+def free_ports(count):
+    """``count`` TCP ports on 127.0.0.1 that were free a moment ago (all held at once while they
+    are picked, so that they differ)."""
+    import contextlib
+    import socket
+
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def custom_loop(model, optimizer, x, y, micro, epochs):
+    """A user's own loop: one apply_gradients per micro-batch with its sample count."""
+    loss_fn = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def micro_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(
+            zip(grads, model.trainable_variables), sample_count=tf.shape(xb)[0]
+        )
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(micro)
+    for _ in range(epochs):
+        for xb, yb in dataset:
+            micro_step(xb, yb)
+        optimizer.finish_epoch()

@@ -557,7 +557,7 @@ class AccumulatingModelWrapper(AccumulationMixin, keras.Model):
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         # The wrapped model's own compute_loss, where its class defines one, is the loss it
         # would train on in plain Keras (whose train_step calls it); it reads the compiled loss
-        # of this wrapper, which is the one compiled (tests/test_user_models.py).
+        # of this wrapper, which is the one compiled (tests/engine/test_user_models.py).
         if not compat.overrides_compute_loss(self.model):
             return super().compute_loss(x, y, y_pred, sample_weight, training=training)
         with compat.compiled_loss_lent(self.model, self):
@@ -612,7 +612,7 @@ def set_accum_steps(model, accum_steps, steps_per_execution=None, restored=False
         model.steps_per_execution = steps_per_execution
         # Keras keeps its evaluate and predict functions, each traced for the old count of steps
         # per call, while their data iterators follow the new one: validation would then see
-        # only some of its batches (tests/test_oom.py, the late recovery's val_loss).
+        # only some of its batches (tests/runner/plan/test_oom.py, the late recovery's val_loss).
         model.test_function = None
         model.predict_function = None
     model.make_train_function(force=True)

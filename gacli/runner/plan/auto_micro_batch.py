@@ -16,7 +16,7 @@ samples/s: the largest one is then a bound of the data, not of the device.
 
 The probe leaves nothing behind: every variable of the model, its optimizer and
 its metrics is put back as it was, so the run that follows ends with the same weights as one
-given the chosen size by hand (tests/test_autobatch.py).
+given the chosen size by hand (tests/runner/plan/test_autobatch.py).
 """
 
 import contextlib

@@ -5,7 +5,8 @@ or those of the run given as ``probe.from``) on the same ``probe.samples`` train
 the same order, then evaluated on the validation data. Each branch is a plain :class:`Run` of its
 own in ``<run dir>/branches/effective_<size>/``: the run that ``ga-train micro_batch_size=<m>
 effective_batch_size=<size> epochs=1 steps_per_epoch=<samples / size>`` would make
-(tests/test_batch_probe.py compares them), so accumulation reaches every size at the memory of one
+(tests/runner/tools/test_batch_probe.py compares them), so accumulation reaches every size at the
+memory of one
 micro-batch and no branch sees another's model, optimizer or data stream. ``probe.samples`` larger
 than the training set (the default 2048 on the digits' 1438) is cut, with a printed line, to the
 largest multiple of every size within it, so that no branch sees a sample twice.

@@ -572,7 +572,7 @@ class Run:
         checkpoint started, as the uninterrupted run is at that point: what decides at the next
         epoch start (gns growth, which never goes below the current accum_steps; the learning
         rate's scale) and what result.json reports read the restored stage, not the configured
-        accum_steps (tests/test_schedule_resume.py)."""
+        accum_steps (tests/runner/plan/test_schedule_resume.py)."""
         if self.schedule is None:
             return
         started = [epoch for epoch in range(self.cfg.epochs) if self.stages.accum_steps(epoch)]

@@ -15,6 +15,7 @@ import pytest
 from test_distributed_cli import WINDOW, WORKER_JOB
 
 from helpers import (
+    ROOT,
     compose_config,
     final_weights,
     ga_report,
@@ -24,9 +25,7 @@ from helpers import (
     weights_difference,
 )
 
-SLURM_GUIDE = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "guides", "distributed.md"
-)
+SLURM_GUIDE = os.path.join(ROOT, "docs", "guides", "distributed.md")
 # The job of test_distributed_cli as 2 workers x micro-batches of 16 (global 32), k=4.
 TWO_TASKS = (*WORKER_JOB, "strategy=multi_worker", "strategy.cluster=slurm")
 

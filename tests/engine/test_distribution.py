@@ -10,17 +10,15 @@ import sys
 
 import pytest
 
-from helpers import record
+from helpers import TESTS, record
 
 # Also run on the oldest supported TensorFlow and Keras (scripts/ci_oldest.sh).
 pytestmark = pytest.mark.exactness
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def _run_cases(*selection):
     result = subprocess.run(
-        [sys.executable, os.path.join(HERE, "distributed_cases.py"), *selection],
+        [sys.executable, os.path.join(TESTS, "distributed_cases.py"), *selection],
         capture_output=True,
         text=True,
         timeout=900,

@@ -11,7 +11,7 @@ Two classes of input, each with its members:
   process is training in now (it holds the lock, :func:`gacli.rundir.lock`). ga-report says what
   each is; ``ga-train resume=`` refuses each with what to type instead (exit code 2).
 
-Runs are written by hand as in tests/test_report_faults.py: no TensorFlow.
+Runs are written by hand as in tests/report/test_report_faults.py: no TensorFlow.
 """
 
 import json

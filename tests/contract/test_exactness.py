@@ -3,7 +3,6 @@
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import gacli
 from helpers import (
@@ -11,6 +10,7 @@ from helpers import (
     K,
     accumulating_model,
     big_batch_reference,
+    custom_loop,
     epoch_windows,
     make_data,
     max_weight_difference,
@@ -44,26 +44,6 @@ def test_e2_e4_ragged_data_model_wrapper(optimizer_case):
     assert int(accumulator.micro_step.numpy()) == 15
     assert int(accumulator.window_micro_steps.numpy()) == 0  # nothing left open
     assert max_weight_difference(model, reference) <= tolerance
-
-
-def custom_loop(model, optimizer, x, y, micro, epochs):
-    """A user's own loop: one apply_gradients per micro-batch with its sample count."""
-    loss_fn = keras.losses.MeanSquaredError()
-
-    @tf.function
-    def micro_step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(
-            zip(grads, model.trainable_variables), sample_count=tf.shape(xb)[0]
-        )
-
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(micro)
-    for _ in range(epochs):
-        for xb, yb in dataset:
-            micro_step(xb, yb)
-        optimizer.finish_epoch()
 
 
 def test_e2_e4_ragged_data_optimizer_wrapper_custom_loop(optimizer_case):

@@ -22,9 +22,8 @@ from gacli.runner.command.user_input import check_overrides, check_user_yaml, re
 from gacli.runner.config import objective
 from gacli.runner.config.arguments import section_arguments
 from gacli.runner.config.validate import validate
-from helpers import compose_config, ga_train, shipped
+from helpers import TESTS, compose_config, ga_train, shipped
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 USER_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
 
 

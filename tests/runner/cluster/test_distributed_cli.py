@@ -11,11 +11,13 @@ import subprocess
 import sys
 
 import pytest
-from allreduce_bytes import free_ports
 
 from helpers import (
+    ROOT,
+    TESTS,
     compose_config,
     final_weights,
+    free_ports,
     ga_train_big_batch_reference,
     record,
     run_difference,
@@ -23,8 +25,7 @@ from helpers import (
     weights_difference,
 )
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BYTES_SCRIPT = os.path.join(HERE, os.pardir, "benchmarks", "allreduce_bytes.py")
+BYTES_SCRIPT = os.path.join(ROOT, "benchmarks", "allreduce_bytes.py")
 
 # Global micro-batches of 32 (16 per worker), k=4: windows of 128; the digits' training split
 # (1438 samples) ends each epoch with a short window of 30 samples.
@@ -221,7 +222,7 @@ def test_d2_one_all_reduce_per_window_in_bytes(tmp_path):
 def test_library_multi_worker_fit_and_custom_loop_match_big_batch(tmp_path):
     """D1/D3 for the library under MultiWorkerMirroredStrategy: the model wrapper in fit() and
     the optimizer wrapper in a custom loop, ragged data, two worker processes."""
-    script = os.path.join(HERE, "multiworker_cases.py")
+    script = os.path.join(TESTS, "multiworker_cases.py")
     results = run_workers(lambda index: [sys.executable, script], cwd=tmp_path)
     measured = []
     for code, output in results:

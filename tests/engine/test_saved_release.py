@@ -24,7 +24,7 @@ import gacli
 pytestmark = pytest.mark.slow
 
 RELEASE = "b67c725"  # gacli 0.1.0
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAKER = os.path.join(ROOT, "tests", "fixtures", "release_0_1_0", "make_models.py")
 
 

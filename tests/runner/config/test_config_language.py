@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers import compose_config, shipped
+from helpers import ROOT, compose_config, shipped
 
-CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs")
+CONFIGS = os.path.join(ROOT, "configs")
 
 
 def test_every_shipped_model_dataset_and_optimizer_file_is_a_target_and_its_arguments():

@@ -2,7 +2,7 @@
 
 The workers here are stand-ins without TensorFlow: each records when its turns began and ended,
 and the turns of different workers must not overlap. The real benchmark's turns are run by
-tests/test_benchmarks.py.
+tests/benchmarks/test_benchmarks.py.
 """
 
 import json
@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from turns import run_in_turns  # noqa: E402

@@ -117,7 +117,7 @@ def test_a_loss_scale_optimizer_around_the_accumulator_is_refused_with_the_fix()
                 gacli.GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
             )
         # The other way round, LossScaleOptimizer(opt) given to the accumulator, is accepted:
-        # tests/test_older_package.py.
+        # tests/engine/test_older_package.py.
     finally:
         keras.mixed_precision.set_global_policy(previous)
 

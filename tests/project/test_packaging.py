@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_dockerfile_passes_hadolint():
@@ -232,9 +232,7 @@ def test_every_module_is_listed_with_its_job_in_the_engine_page():
         page = handle.read()
     section = page.split("## Every module", 1)[1].split("\n## ", 1)[0]
     listed = re.findall(r"^\| `(gacli/[\w/]+\.py)` \|", section, flags=re.M)
-    modules = {
-        "gacli/" + name for name, _ in _sources() if os.path.basename(name) != "__init__.py"
-    }
+    modules = {"gacli/" + name for name, _ in _sources() if os.path.basename(name) != "__init__.py"}
     assert len(listed) == len(set(listed)), "a module is listed twice"
     assert sorted(modules - set(listed)) == [], "modules with no row"
     assert sorted(set(listed) - modules) == [], "rows of modules that do not exist"

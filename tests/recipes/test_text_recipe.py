@@ -1,7 +1,8 @@
 """The text_lm recipe's pieces (recipes/text_lm.py): the help-topics corpus as padded byte
 sequences, the causal transformer, the perplexity metric, and the point of the recipe: with
 padding masks as sample weights, k micro-batches under loss_normalization="window_weights" give
-the big batch's weights. The recipe's run and its promised perplexity: tests/test_recipes.py.
+the big batch's weights. The recipe's run and its promised perplexity:
+tests/recipes/test_recipes.py.
 """
 
 import keras

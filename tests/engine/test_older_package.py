@@ -9,13 +9,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_exactness import custom_loop
 
 import gacli
 from helpers import (
     MICRO,
     K,
     big_batch_reference,
+    custom_loop,
     epoch_windows,
     make_data,
     max_weight_difference,

@@ -28,16 +28,16 @@ from gacli.engine.schedules import ScaledLearningRate
 from gacli.engine.settings import AccumulationConfig
 from gacli.engine.tf32 import tf32_description, tf32_enabled
 from gacli.errors import ConfigError
+from gacli.runner.build.model import build_model
+from gacli.runner.build.optimizer import build_optimizer, learning_rate_schedule
+from gacli.runner.build.targets import build_loss, build_metrics, own_parts
+from gacli.runner.config.objective import check_metric, metric_name
 from gacli.runner.config.schema import (
     Policy,
     Wrapper,
     shown_name,
 )
 from gacli.runner.training.fault_injection import install_fake_oom
-from gacli.runner.build.model import build_model
-from gacli.runner.config.objective import check_metric, metric_name
-from gacli.runner.build.optimizer import build_optimizer, learning_rate_schedule
-from gacli.runner.build.targets import build_loss, build_metrics, own_parts
 
 # ga-train's one default that differs from the library's (docs/getting-started.md, "Options"):
 # without loss scaling a non-finite gradient stops the run, so that a nan never reaches the weights
@@ -284,7 +284,8 @@ class Job:
     reason: str
     batchnorm_layers: int
     learning_rate: float
-    fault: object = None  # GACLI_FAKE_OOM_ABOVE's callback (gacli.runner.training.fault_injection), when set
+    # GACLI_FAKE_OOM_ABOVE's callback (gacli.runner.training.fault_injection), when set
+    fault: object = None
     scaled_rate: ScaledLearningRate | None = None  # accum_schedule: the stage's learning rate
     batchnorm_warning: str | None = None  # printed after the panel (batchnorm_warning())
     # (config key, object) of each part a _target_ of the user's built: what raised names it

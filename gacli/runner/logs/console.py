@@ -2,7 +2,8 @@
 
 On a terminal a rich progress bar shows updates and micro-batches, loss, samples/s and the ETA; when
 output is not a terminal, or jobs of a multirun share it, the same facts come as plain lines.
-Samples/s is the run's mean training throughput so far, as :mod:`gacli.runner.logs.throughput` defines
+Samples/s is the run's mean training throughput so far, as :mod:`gacli.runner.logs.throughput`
+defines
 it: the number TensorBoard's ``throughput/mean_samples_per_sec`` holds at the same update.
 """
 

@@ -36,9 +36,9 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from gacli.engine.window import read_now
 from gacli.runner.logs.console import micro_batches_done
-from gacli.runner.logs.writers import CSV_FILE, ScalarWriter, logger_names
 from gacli.runner.logs.memory import device_memory_bytes, host_memory_bytes
 from gacli.runner.logs.throughput import samples_per_second
+from gacli.runner.logs.writers import CSV_FILE, ScalarWriter, logger_names
 
 _SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description=None)
 

@@ -15,7 +15,8 @@ import keras
 class MicroBatchLayout:
     """Samples in the micro-batches of a run: passes over ``train_size`` samples, each batched on
     its own by ``global_micro_batch_size`` (the last micro-batch of a pass is short when the size
-    does not divide), one after another (:func:`gacli.runner.training.run_state.micro_batch_stream`).
+    does not divide), one after another
+    (:func:`gacli.runner.training.run_state.micro_batch_stream`).
 
     Args:
         train_size: training samples in one pass.

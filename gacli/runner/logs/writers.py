@@ -1,6 +1,7 @@
 """Where a run's scalars go: ``logger=[tensorboard,csv,mlflow]`` (docs/guides/loggers.md).
 
-One callback, :class:`gacli.runner.logs.run_logs.RunLogger`, works out the scalars once per optimizer
+One callback, :class:`gacli.runner.logs.run_logs.RunLogger`, works out the scalars once per
+optimizer
 update (and the validation metrics once per epoch) and hands every writer the same (tag, number)
 pairs at the same step: ``tensorboard`` writes the event file under ``tensorboard/`` (the
 default), ``csv`` the run directory's ``metrics.csv`` (:mod:`gacli.runner.logs.csv_file`),

@@ -223,12 +223,15 @@ def medians(runs, key, mode, micro):
 
 
 def budget_of(spec, runs, key, budget_mib):
-    """The budget for ``key``: ``budget_mib`` or, without one, the process peak without
-    recomputation at the pair's large micro-batch (what that micro-batch needs today)."""
+    """The budget for ``key``: ``budget_mib`` or, without one, midway between the process peaks
+    without recomputation at the two largest micro-batches: the largest fits without
+    recomputation, the second largest does; does recomputation make the largest fit?"""
     if budget_mib is not None:
         return budget_mib
-    large = medians(runs, key, "off", spec["pair"][1])
-    return None if large is None else large["process"]
+    peaks = [medians(runs, key, "off", micro) for micro in spec["micro_batch_sizes"][-2:]]
+    if len(peaks) < 2 or None in peaks:
+        return None
+    return (peaks[0]["process"] + peaks[1]["process"]) / 2
 
 
 def report(meta, runs, budgets):
@@ -237,7 +240,14 @@ def report(meta, runs, budgets):
         "",
         f"{meta['date']}; {meta['cpu_count']} CPU cores, {meta['threads']} TF threads, no GPU; "
         f"TensorFlow {meta['tensorflow']}, Keras {meta['keras']}, gacli {meta['gacli']}; "
-        f"{meta['reps']} repetition(s), medians.",
+        f"{meta['reps']} repetition(s), medians."
+        + (
+            f" Load average (1 min) {meta['load_start']:.1f} at the start, "
+            f"{meta['load_end']:.1f} at the end: above {meta['cpu_count']}, other jobs shared "
+            "the cores and the times say little."
+            if max(meta.get("load_start", 0), meta.get("load_end", 0)) > meta["cpu_count"]
+            else ""
+        ),
         "",
         "Each row ran in its own process, one after another: `gacli.wrap_model` with "
         "`accum_steps` = effective batch / micro-batch, a window per compiled call, SGD, "
@@ -336,6 +346,10 @@ def parse_budgets(parser, words, models):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), help="default: each model's")
+    parser.add_argument(
+        "--micro-batch-sizes", nargs="+", type=int, help="default: each model's (and its pair)"
+    )
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
@@ -345,8 +359,8 @@ def main(argv=None):
         nargs="+",
         default=[],
         metavar="MODEL=MIB",
-        help="memory budget per model, e.g. unet=1200 (default: the process peak without "
-        "recomputation at the larger micro-batch of the pair)",
+        help="memory budget per model, e.g. unet=1200 (default: midway between the process "
+        "peaks without recomputation at the two largest micro-batches)",
     )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per process")
     parser.add_argument("--out", help="result name (default: remat_memory, quick with --quick)")
@@ -364,7 +378,13 @@ def main(argv=None):
         budget_mib = parse_budgets(parser, args.budget_mib, raw["meta"]["models"])
         return write_reports(raw["meta"], raw["runs"], budget_mib, Path(args.render).parent)
     sizes = QUICK_MODELS if args.quick else MODELS
-    models = {key: sizes[key] for key in args.models}
+    models = {key: dict(sizes[key]) for key in args.models}
+    for spec in models.values():
+        if args.modes:
+            spec["modes"] = ["off"] + [m for m in args.modes if m != "off"]  # ratios need off
+        if args.micro_batch_sizes:
+            chosen = set(args.micro_batch_sizes) | set(spec["pair"])
+            spec["micro_batch_sizes"] = sorted(chosen)
     budget_mib = parse_budgets(parser, args.budget_mib, models)
     meta = dict(
         bench.versions(),
@@ -379,6 +399,7 @@ def main(argv=None):
         argv=sys.argv[1:],
         models=models,
     )
+    meta["load_start"] = os.getloadavg()[0]
     runs = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gacli-remat-") as work_dir:
@@ -398,6 +419,7 @@ def main(argv=None):
             else:
                 print(f"{job['model_key']} {job['config']}: failed: {run['error']}", flush=True)
     meta["total_s"] = time.perf_counter() - started
+    meta["load_end"] = os.getloadavg()[0]
     return write_reports(meta, runs, budget_mib, args.results_dir)
 
 

@@ -247,3 +247,33 @@ def test_the_noise_scales_cost_is_set_beside_two_ga_train_processes():
         bench.control_report([r for r in runs if r["config"] != "ga_train_again"], ["mlp"], [True])
         == []
     )
+
+
+@pytest.mark.slow
+def test_remat_memory_measures_every_mode_and_micro_batch(tmp_path):
+    """benchmarks/remat_memory.py --quick: each (remat mode, micro-batch) of the tiny UNet in its
+    own process, the same effective batch and samples for each, and the report's ratios."""
+    script = BENCH.parent / "remat_memory.py"
+    command = [sys.executable, str(script), "--quick", "--models", "unet"]
+    command += ["--results-dir", str(tmp_path), "--out", "smoke"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    raw = json.loads((tmp_path / "smoke.json").read_text())
+    spec = raw["meta"]["models"]["unet"]
+    runs = {(run["mode"], run["micro_batch_size"]): run for run in raw["runs"]}
+    assert sorted(runs) == sorted(
+        (mode, micro) for mode in spec["modes"] for micro in spec["micro_batch_sizes"]
+    )
+    for (_, micro), run in runs.items():
+        assert run["status"] == "ok", run.get("error")
+        assert micro * (spec["effective_batch_size"] // micro) == spec["effective_batch_size"]
+        assert run["updates_in_window"] == spec["measure_updates"]
+        assert run["samples"] == spec["measure_updates"] * spec["effective_batch_size"]
+        # fit's peak is measured from the baseline on, and the process's covers it.
+        assert 0 < run["baseline_rss_bytes"] <= run["warmup_peak_rss_bytes"]
+        assert run["peak_rss_bytes"] >= run["window_peak_rss_bytes"] > 0
+    table = (tmp_path / "smoke.md").read_text()
+    small, large = spec["pair"]
+    assert f"Memory that micro-batch {large} adds over {small}" in table
+    assert "| every | " in table and "Largest micro-batch whose process peak fits" in table

@@ -11,7 +11,43 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
-from helpers import MEASURED, OPTIMIZERS, current_test  # noqa: E402
+from helpers import IN_PROCESS_ONLY, MEASURED, OPTIMIZERS, current_test  # noqa: E402
+
+# The fast lane (docs/contributing.md): the tests that run in this process, without the slow,
+# distributed, SLURM and GPU ones, and skipping each that would start ga-train or ga-report.
+IN_PROCESS_LANE = "not slow and not distributed and not slurm and not gpu"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--in-process",
+        action="store_true",
+        help="the fast lane: tests in this process only (no ga-train process, no slow, "
+        "distributed, SLURM or GPU test)",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--in-process"):
+        IN_PROCESS_ONLY["on"] = True
+        chosen = config.option.markexpr
+        config.option.markexpr = f"({chosen}) and {IN_PROCESS_LANE}" if chosen else IN_PROCESS_LANE
+        _skip_multi_epoch_runs()
+
+
+def _skip_multi_epoch_runs():
+    """In the fast lane, a ga-train job of more than one epoch run in this process (train(cfg))
+    is skipped: the full suite runs it."""
+    from gacli.runner.training import run
+
+    train = run.train
+
+    def one_epoch_only(cfg, *args, **kwargs):
+        if cfg.epochs > 1:
+            pytest.skip(f"trains {cfg.epochs} epochs: not in the in-process lane (--in-process)")
+        return train(cfg, *args, **kwargs)
+
+    run.train = one_epoch_only
 
 
 @pytest.fixture(autouse=True, scope="session")

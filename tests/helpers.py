@@ -29,6 +29,10 @@ from gacli.runner.config.schema import register_configs
 TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: helpers, fixtures, user_project
 ROOT = os.path.dirname(TESTS)  # the repository
 
+# Set by conftest for the fast lane (pytest --in-process): a test that would start ga-train or
+# ga-report as a process is skipped instead.
+IN_PROCESS_ONLY = {"on": False}
+
 # Every weight difference a test measures, by test: conftest prints them at the end of the run,
 # so the numbers behind each contract row are visible, not just "passed".
 MEASURED = {}
@@ -247,8 +251,16 @@ def agc_big_batch_reference(make_optimizer, windows, x, y, clip_factor, eps=1e-3
 
 
 # ga-train as a user runs it, and what its runs leave behind.
+def _refuse_in_process_lane(name):
+    if IN_PROCESS_ONLY["on"]:
+        import pytest
+
+        pytest.skip(f"starts {name} as a process: not in the in-process lane (--in-process)")
+
+
 def console_script(name, *arguments, cwd, timeout=600, env=None):
     """Run the installed console script ``name``; returns (exit code, stdout + stderr)."""
+    _refuse_in_process_lane(name)
     command = [os.path.join(os.path.dirname(sys.executable), name), *arguments]
     environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     environment.update({"TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})})
@@ -270,6 +282,7 @@ def ga_report(*arguments, cwd, timeout=120):
 
 def start_ga_train(*arguments, cwd):
     """Start the installed ga-train in the background; its Popen (stdout and stderr in one)."""
+    _refuse_in_process_lane("ga-train")
     environment = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     return subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "ga-train"), *arguments],

@@ -35,6 +35,7 @@ from gacli.runner.config.objective import check_metric, metric_name
 from gacli.runner.config.schema import (
     Policy,
     Wrapper,
+    remat_setting,
     shown_name,
 )
 from gacli.runner.training.fault_injection import install_fake_oom
@@ -249,6 +250,7 @@ def accumulation_config(cfg, plan):
         nonfinite=_nonfinite_policy(cfg.precision),
         noise_scale=cfg.monitor.gns,
         noise_scale_every=cfg.monitor.gns_every,
+        remat=remat_setting(cfg.get("remat")),
     )
 
 
@@ -317,7 +319,21 @@ class Job:
             "strategy": f"{cfg.strategy.name.value} ({replicas} replica"
             f"{'s' if replicas > 1 else ''})",
             "learning rate": f"{self.learning_rate:.3g} at update 0",
+            **self._recompute_line(cfg),
         }
+
+    def _recompute_line(self, cfg):
+        """The panel's line for ``remat``, where it is set: what is recomputed."""
+        remat = remat_setting(cfg.get("remat"))
+        if remat is None:
+            return {}
+        if isinstance(remat, tuple):
+            what = f"the layers {', '.join(remat)}, each as one block"
+        elif remat == "every":
+            what = "every block of the model"
+        else:
+            what = f"runs of {remat} blocks"
+        return {"recompute": f"{what}, in the backward pass (remat={cfg.remat})"}
 
 
 def _shapes(input_shape):
@@ -392,7 +408,14 @@ def _with_accumulation(model, inner, wrapper, settings):
     """(model, optimizer) to compile: the model wrapped and the inner optimizer, or the model as
     it is and the inner optimizer wrapped."""
     if wrapper is Wrapper.model:
-        model = wrap_model(model, config=settings)
+        try:
+            model = wrap_model(model, config=settings)
+        except ValueError as error:
+            if settings.remat is None or not str(error).startswith("remat"):
+                raise
+            # The model cannot be cut as remat asks (a subclassed model, one skip connection
+            # spanning it): the library's paragraph says what to give instead.
+            raise ConfigError(str(error)) from None
         # The callbacks read the counters from each call's logs where the model can return them
         # (one replica, not a TPU); elsewhere they read the variables after each call.
         model.counters_in_logs = True

@@ -283,6 +283,11 @@ class TrainConfig:
     loss_normalization: LossNormalization = _LIBRARY.loss_normalization
     batchnorm: BatchNormPolicy = BatchNormPolicy.keep
     precise_bn_micro_batches: int = 200  # batchnorm=precise: training micro-batches pooled
+    # Recompute activations in the backward pass instead of keeping them: less memory a sample
+    # for more time, the same weights (docs/guides/recompute.md). every: each block of a
+    # functional or Sequential model; n: runs of n blocks; [name, ...]: those layers of any model
+    # (a KerasHub backbone's transformer layers); null: off. The model wrapper only.
+    remat: Any = None
     epochs: int = MISSING  # passes over the training data (the default job's: configs/train.yaml)
     steps_per_epoch: Optional[int] = None  # optimizer updates per epoch (None: one data pass)
     seed: int = 0  # initial weights, data order and dropout: a run with the same seed repeats
@@ -393,6 +398,17 @@ def shown_name(section):
         return target
     name = target.rpartition(".")[2]
     return str(section.get("architecture") or name) if name == "application" else name
+
+
+def remat_setting(value):
+    """The ``remat`` key as the library takes it (None, "every", n, or a tuple of layer names);
+    ValueError, saying what to pass, for anything else."""
+    from omegaconf import OmegaConf
+
+    from gacli.engine.settings import parse_remat
+
+    plain = OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
+    return parse_remat(tuple(plain) if isinstance(plain, list) else plain)
 
 
 def expected_replicas(strategy):

@@ -20,6 +20,7 @@ from gacli.runner.config.schema import (
     Wrapper,
     expected_replicas,
     is_shipped,
+    remat_setting,
     shown_name,
 )
 from gacli.runner.logs.writers import check_loggers
@@ -81,6 +82,7 @@ def validate(cfg, given=()):
             "micro-batches that batchnorm=precise pools), e.g. precise_bn_micro_batches=200."
         )
     _validate_check(cfg)
+    _validate_remat(cfg)
     _validate_targets(cfg)
     check_loggers(cfg, given)
 
@@ -160,6 +162,24 @@ def check_tolerance_argument(assignments):
                 "weight difference that passes), e.g. check.tolerance=1e-5; leave it unset for "
                 "the contract's (1e-6 for SGD, 1e-5 for adaptive optimizers)."
             ) from None
+
+
+def _validate_remat(cfg):
+    """ConfigError for a ``remat`` that names no blocks, or that the chosen wrapper cannot do."""
+    try:
+        remat = remat_setting(cfg.get("remat"))
+    except ValueError:
+        raise ConfigError(
+            f"remat={cfg.remat} is not a choice of blocks to recompute; give remat=every (each "
+            "block of a functional or Sequential model), remat=2 (runs of 2 blocks), "
+            "remat=[block_1,block_2] (those layers, of any model) or remat=null (off)."
+        ) from None
+    if remat is not None and cfg.wrapper == Wrapper.optimizer:
+        raise ConfigError(
+            "remat recomputes in the model wrapper's train step, and wrapper=optimizer trains a "
+            "plain keras.Model with Keras' own step; use wrapper=auto (the model wrapper) with "
+            "remat, or drop remat."
+        )
 
 
 def _validate_check(cfg):

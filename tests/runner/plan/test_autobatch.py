@@ -66,6 +66,7 @@ def test_search_climbs_a_ladder_then_bisects_and_the_margin_steps_back():
     assert choose(search(fits_up_to(0), candidates), candidates, "largest", 0.1) is None
 
 
+@pytest.mark.slow  # about 20 s: out of the in-process lane
 def test_auto_ends_with_the_weights_of_the_chosen_size_given_by_hand(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GACLI_FAKE_OOM_ABOVE", "40")
     probed = train(

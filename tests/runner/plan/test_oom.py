@@ -139,6 +139,7 @@ def test_recovery_mid_window_ends_with_the_big_batch_weights(tmp_path, monkeypat
     assert measured <= 1e-6
 
 
+@pytest.mark.slow  # about 25 s: out of the in-process lane
 def test_after_two_recoveries_the_metrics_describe_the_saved_model(tmp_path, monkeypatch):
     # One call per window (steps_per_execution follows accum_steps: 8, 16, then 32 micro-batches
     # a call): the micro-batch halves twice, 16 -> 8 -> 4, in the middle of the first epoch.

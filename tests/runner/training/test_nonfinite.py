@@ -350,6 +350,7 @@ def test_a_micro_batch_without_gradients_passes_the_check():
     assert optimizer.halted_micro_step() == 0
 
 
+@pytest.mark.slow  # about 10 s: out of the in-process lane
 def test_stop_halts_at_a_loss_that_overflowed_though_its_gradient_is_finite():
     """Targets near 1e30 in one micro-batch: its squared error overflows float32 to inf while its
     gradient (twice the error) stays finite. The loss is checked as the gradient is: the run

@@ -249,9 +249,15 @@ def timer_callback(timer):
 def gns_every():
     """Every how many windows the noise scale's configurations measure: GACLI_BENCH_GNS_EVERY,
     unset or empty for monitor.gns_every's default."""
-    from gacli.runner.config.schema import MonitorConfig
+    import importlib
 
-    return int(os.environ.get("GACLI_BENCH_GNS_EVERY") or MonitorConfig.gns_every)
+    # The schema's module at the checked-out commit (ga_train_at): config/schema.py since the
+    # runner has rooms, config.py before.
+    try:
+        schema = importlib.import_module("gacli.runner.config.schema")
+    except ImportError:
+        schema = importlib.import_module("gacli.runner.config")
+    return int(os.environ.get("GACLI_BENCH_GNS_EVERY") or schema.MonitorConfig.gns_every)
 
 
 def build_library_config(spec):

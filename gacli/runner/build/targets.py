@@ -21,6 +21,7 @@ import sys
 from typing import Callable
 
 import keras
+import tensorflow as tf
 from omegaconf import OmegaConf
 
 from gacli.errors import ConfigError, first_line
@@ -170,8 +171,10 @@ def build(where, values, kind, fill=None):
         # schedules) go in as they are, not through OmegaConf.
         call = instantiate({"_target_": path, **arguments}, _partial_=True, _convert_="all")
         made = call(**filled)
-    except ConfigError:
-        raise  # a shipped builder's (gacli.models) own refusal, already in ga-train's words
+    except (ConfigError, tf.errors.ResourceExhaustedError):
+        # A shipped builder's own refusal (gacli.models), already in ga-train's words; out of
+        # memory is the machine's, not the code's: the run says what does not fit.
+        raise
     except InstantiationException as failure:
         cause = failure.__cause__ or failure
         raise ConfigError(

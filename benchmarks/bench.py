@@ -266,7 +266,7 @@ def build_library_config(spec):
     import tensorflow as tf
 
     import gacli
-    from gacli.runner.build.job import loss_and_metrics
+    from gacli.runner.builders.job import loss_and_metrics
 
     name, k = spec["config"], spec["accum_steps"]
     name = "A" if name == "A_again" else name
@@ -346,11 +346,10 @@ def run_ga_train(spec, timer_window, job_dir):
     """The ga-train command line, in this process, with a timer in its progress-callback slot.
 
     ``gacli.runner.command.cli.main`` composes the config with Hydra, validates it and calls
-    ``train()``,
-    which builds its own callbacks; the timer rides in a subclass of its ProgressCallback
-    (progress=none, so that callback does nothing else). Everything train() runs per batch (its
-    TensorBoard logger included) is inside the timed window; data loading, compile and the warm-up
-    updates are not.
+    ``train()``, which builds its own callbacks; the timer rides in a subclass of its
+    ProgressCallback (progress=none, so that callback does nothing else). Everything train() runs
+    per batch (its TensorBoard logger included) is inside the timed window; data loading, compile
+    and the warm-up updates are not.
     """
     import numpy as np
 

@@ -47,7 +47,7 @@ def build(spec, jit, noise_scale, data, nonfinite=None):
     from bench import shipped_model
 
     import gacli
-    from gacli.runner.build.job import loss_and_metrics
+    from gacli.runner.builders.job import loss_and_metrics
 
     keras.utils.set_random_seed(0)
     model = shipped_model(spec)

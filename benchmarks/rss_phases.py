@@ -41,7 +41,7 @@ def worker(spec):
     import tensorflow as tf
 
     from gacli.engine.host_memory import release_free_memory
-    from gacli.runner.logs.run_logs import host_memory_bytes
+    from gacli.runner.reporting.run_logs import host_memory_bytes
 
     def rss_now():
         return host_memory_bytes()[0]

@@ -6,10 +6,10 @@ function's keyword arguments are the keys of its file under ``configs/dataset/``
 (``configs/dataset/npz.yaml`` is ``_target_: gacli.datasets.npz`` and ``path``); ``ga-train``
 fills in ``seed``, ``validation_split``, ``task`` and ``num_classes`` from its own keys.
 
-Each returns a :class:`gacli.runner.build.data.DataBundle`: its training and validation pipelines of
-unbatched ``(x, y)`` pairs, already read once and checked (a missing path, a file that cannot be
-decoded, a non-finite input, a label out of range is a one-paragraph error naming the file and
-the sample). A function of your own may return the same, or simply ``(train, validation)``
+Each returns a :class:`gacli.runner.builders.data.DataBundle`: its training and validation pipelines
+of unbatched ``(x, y)`` pairs, already read once and checked (a missing path, a file that cannot be
+decoded, a non-finite input, a label out of range is a one-paragraph error naming the file and the
+sample). A function of your own may return the same, or simply ``(train, validation)``
 (docs/guides/own-model.md).
 
 Nothing here imports TensorFlow at import time: ``ga-train`` reads these signatures to check a
@@ -20,8 +20,8 @@ from types import SimpleNamespace
 
 
 def _load(loader, seed, **section):
-    """The bundle that :mod:`gacli.runner.build.data`'s ``loader`` makes of these settings."""
-    from gacli.runner.build import data
+    """The bundle that :mod:`gacli.runner.builders.data`'s ``loader`` makes of these settings."""
+    from gacli.runner.builders import data
 
     section.setdefault("num_classes", 0)
     section.setdefault("task", "auto")

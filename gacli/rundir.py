@@ -15,8 +15,8 @@
 
 No TensorFlow here: these checks answer before TensorFlow loads. Which checkpoint can really be
 restored is decided by :class:`gacli.runner.training.run_state.RunState`, which reads every tensor;
-the cheap
-check here (an index file with its end marker, every data shard present) only picks candidates.
+the cheap check here (an index file with its end marker, every data shard present) only picks
+candidates.
 """
 
 import contextlib
@@ -322,7 +322,7 @@ def record_failure(run_dir, exit_code, message):
 
 # What a new run writes before training starts: Hydra's record of the job, the lock, the
 # checkpoint folder it checked it could write to, and (late) the resolved config and the files of
-# its loggers (gacli.runner.logs.writers): event files, metrics.csv, its MLflow run's id.
+# its loggers (gacli.runner.reporting.writers): event files, metrics.csv, its MLflow run's id.
 _BEFORE_TRAINING = {
     ".hydra",
     LOCK_FILE,

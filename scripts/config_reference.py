@@ -1,17 +1,15 @@
 """Write docs/reference/config.md, ga-train's config reference, from the one declaration of its
 settings: the dataclasses of gacli/runner/config/schema.py (each key, its type, and the comments
-beside
-and above it), the enums whose members are a key's choices (with their comments), the ranges and
-the keys that only some choices read (validate.py's ``_RANGES`` and ``_READ_ONLY_BY``), the keys a
-resumed run may change (``FREE_ON_RESUME``), the config groups and recipes that ship with the
+beside and above it), the enums whose members are a key's choices (with their comments), the ranges
+and the keys that only some choices read (validate.py's ``_RANGES`` and ``_READ_ONLY_BY``), the keys
+a resumed run may change (``FREE_ON_RESUME``), the config groups and recipes that ship with the
 package (each YAML file's opening comment), and the default job's values as Hydra composes them.
 
     python scripts/config_reference.py           # rewrite the page
     python scripts/config_reference.py --check   # exit 1 when the page is not current
 
 tests/project/test_docs.py fails when the committed page differs from what this writes, so a change
-to
-the settings that leaves the page behind does not pass.
+to the settings that leaves the page behind does not pass.
 """
 
 import argparse

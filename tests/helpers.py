@@ -345,8 +345,8 @@ def ga_train_big_batch_reference(cfg, window, learning_rates=None):
     (``pass_order``, which test_nonfinite checks against the stream ga-train reads), and a window
     is the next ``window`` samples of it, the last one of an epoch short (partial_window=apply).
     """
-    from gacli.runner.build.data import load_dataset
-    from gacli.runner.build.model import build_model
+    from gacli.runner.builders.data import load_dataset
+    from gacli.runner.builders.model import build_model
     from gacli.runner.training.run_state import pass_order
 
     assert (cfg.optimizer._target_, cfg.optimizer.schedule.value) == (

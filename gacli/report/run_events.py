@@ -1,6 +1,7 @@
 """A run's TensorBoard scalars, read back: one series per tag, each update counted once.
 
-A run writes one event file per process (:class:`gacli.runner.logs.run_logs.TensorBoardLogger`): a
+A run writes one event file per process
+(:class:`gacli.runner.reporting.run_logs.TensorBoardLogger`): a
 resumed run has a second one, which starts again from the last checkpoint. Updates the first process
 logged after that checkpoint were done again by the second, so a later file supersedes every step
 of the earlier files from its own first step on: the merged series hold each update once, with the

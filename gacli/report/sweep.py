@@ -6,11 +6,10 @@ are found however they were started: the job folders of a ``-m`` sweep, the runs
 under ``outputs/<recipe>/``, or one run. A record's final metrics, updates and host peak memory come
 from ``result.json`` when the run finished, from its event files otherwise; everything per update
 (samples seen, best values, samples/s, device memory) comes from the event files, each update
-counted once (:mod:`gacli.runner.logs.run_logs` writes them, :mod:`gacli.report.run_events` reads
-them
-back). A finished ``probe=batch`` run has ``probe.json`` instead of ``result.json`` (its row is
-its critical size's), a finished ``check=equivalence`` run ``equivalence.json``; a run whose lock
-another process holds (:func:`gacli.rundir.live_holder`) is running, not interrupted.
+counted once (:mod:`gacli.runner.reporting.run_logs` writes them, :mod:`gacli.report.run_events`
+reads them back). A finished ``probe=batch`` run has ``probe.json`` instead of ``result.json`` (its
+row is its critical size's), a finished ``check=equivalence`` run ``equivalence.json``; a run whose
+lock another process holds (:func:`gacli.rundir.live_holder`) is running, not interrupted.
 
 A run whose files cannot be read (cut short, not the format ga-train writes, unreadable) is not
 read at all: :func:`read_runs` names it with what is wrong, and the other runs are reported. So is

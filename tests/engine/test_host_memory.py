@@ -7,7 +7,7 @@ import pytest
 
 import gacli
 from gacli.engine import host_memory
-from gacli.runner.logs.run_logs import host_memory_bytes
+from gacli.runner.reporting.run_logs import host_memory_bytes
 from helpers import make_data, mlp_layers
 
 

@@ -2,7 +2,7 @@
 
 No TensorFlow: ``ga-train`` checks the arguments of a shipped model or dataset
 (``gacli.models``, ``gacli.datasets``, whose modules import Keras only when called) while it
-validates the config, and :mod:`gacli.runner.build.targets` checks every target's again when it
+validates the config, and :mod:`gacli.runner.builders.targets` checks every target's again when it
 calls it.
 """
 

@@ -32,11 +32,11 @@ _SMALLER_IS_BETTER = (
     "perplexity",
 )
 _LARGER_IS_BETTER = ("accuracy", "acc", "iou", "auc", "precision", "recall", "f1", "dice", "r2")
-# Every metric a ga-train run can log (gacli.runner.build.job.loss_and_metrics compiles them): the
-# loss
-# and its compiled metrics: accuracy, iou for masks of one class, or mae and rmse for regression;
-# val_ of each with validation data; or, where metrics= is given, those (logged_metrics). A sweep
-# whose objective is none of them is refused before its first trial trains.
+# Every metric a ga-train run can log (gacli.runner.builders.job.loss_and_metrics compiles them):
+# the loss and its compiled metrics: accuracy, iou for masks of one class, or mae and rmse for
+# regression; val_ of each with validation data; or, where metrics= is given, those
+# (logged_metrics). A sweep whose objective is none of them is refused before its first trial
+# trains.
 LOGGED = ("loss", "accuracy", "iou", "mae", "rmse")
 
 

@@ -18,7 +18,7 @@ from gacli.engine.settings import AccumulationConfig
 from gacli.errors import ConfigError, Interrupted  # noqa: F401  (imported from here by callers)
 
 # The accumulation settings that ga-train shares with the library take the library's defaults;
-# the one that differs, nonfinite, is gacli.runner.build.job.NONFINITE_WITHOUT_LOSS_SCALING.
+# the one that differs, nonfinite, is gacli.runner.builders.job.NONFINITE_WITHOUT_LOSS_SCALING.
 _LIBRARY = AccumulationConfig()
 
 # Enum members are lower case because OmegaConf matches a YAML/command-line string to a member by
@@ -118,7 +118,7 @@ class DatasetConfig:
     # ga-train's own below, and with seed, validation_split, task and num_classes where it takes
     # them; it returns (train, validation), each a tf.data.Dataset of unbatched (x, y) or
     # (x, y, sample_weight) or a tuple of such arrays (validation may be None), or a
-    # gacli.runner.build.data.DataBundle as the shipped ones do.
+    # gacli.runner.builders.data.DataBundle as the shipped ones do.
     _target_: str = MISSING
     num_classes: int = 0  # 0: inferred from the data
     # the fraction held out for validation (a seeded split); a target that returns no validation

@@ -23,9 +23,9 @@ from gacli.runner.config.schema import (
     remat_setting,
     shown_name,
 )
-from gacli.runner.logs.writers import check_loggers
 from gacli.runner.plan.accum_schedule import check_schedule
 from gacli.runner.plan.batch import resolve_batch
+from gacli.runner.reporting.writers import check_loggers
 
 
 def validate(cfg, given=()):

@@ -269,8 +269,7 @@ def stage_records(accum_by_epoch, first_update_by_epoch, final_update, per_updat
 class StageTable:
     """The accum_steps each epoch trained at and the optimizer step it started from: part of
     the run's checkpoint (gacli.runner.training.run_state.RunState), so that a resumed run goes on
-    at the
-    stage it stopped in, and result.json lists the stages. 0: the epoch has not started.
+    at the stage it stopped in, and result.json lists the stages. 0: the epoch has not started.
 
     Args:
         epochs: the run's epochs.

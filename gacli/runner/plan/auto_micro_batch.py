@@ -40,17 +40,17 @@ from gacli.rundir import (
     read_json,
     write_json,
 )
-from gacli.runner.build.job import build_job
+from gacli.runner.builders.job import build_job
 from gacli.runner.config.arguments import section_arguments
 from gacli.runner.config.schema import (
     PartialWindow,
     shown_name,
 )
-from gacli.runner.logs.console import make_console
-from gacli.runner.logs.memory import _memory_devices
 from gacli.runner.plan.batch import AutoPlan, BatchPlan
 from gacli.runner.plan.out_of_memory import oom_line
 from gacli.runner.plan.steps import execution_steps, plan_steps
+from gacli.runner.reporting.console import make_console
+from gacli.runner.reporting.memory import _memory_devices
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ import dataclasses
 import math
 
 from gacli.errors import ConfigError
-from gacli.runner.build.job import choose_wrapper
+from gacli.runner.builders.job import choose_wrapper
 from gacli.runner.config.schema import (
     PartialWindow,
     Wrapper,

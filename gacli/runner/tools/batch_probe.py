@@ -1,15 +1,15 @@
 """``probe=batch``: the critical batch, measured by branching.
 
 Every size in ``probe.effective_sizes`` is trained from the same weights (the model's initial ones,
-or those of the run given as ``probe.from``) on the same ``probe.samples`` training samples, in
-the same order, then evaluated on the validation data. Each branch is a plain :class:`Run` of its
-own in ``<run dir>/branches/effective_<size>/``: the run that ``ga-train micro_batch_size=<m>
+or those of the run given as ``probe.from``) on the same ``probe.samples`` training samples, in the
+same order, then evaluated on the validation data. Each branch is a plain :class:`Run` of its own in
+``<run dir>/branches/effective_<size>/``: the run that ``ga-train micro_batch_size=<m>
 effective_batch_size=<size> epochs=1 steps_per_epoch=<samples / size>`` would make
 (tests/runner/tools/test_batch_probe.py compares them), so accumulation reaches every size at the
-memory of one
-micro-batch and no branch sees another's model, optimizer or data stream. ``probe.samples`` larger
-than the training set (the default 2048 on the digits' 1438) is cut, with a printed line, to the
-largest multiple of every size within it, so that no branch sees a sample twice.
+memory of one micro-batch and no branch sees another's model, optimizer or data stream.
+``probe.samples`` larger than the training set (the default 2048 on the digits' 1438) is cut, with a
+printed line, to the largest multiple of every size within it, so that no branch sees a sample
+twice.
 
 The answer, ``critical_batch_size``, is the largest size whose val_loss is within
 ``probe.tolerance`` (a share) of the best one: beyond it a larger batch buys fewer updates with
@@ -30,11 +30,11 @@ import tensorflow as tf
 from gacli.engine.window import noise_from_two_sizes
 from gacli.errors import ConfigError, TrainingFailed
 from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, write_json
-from gacli.runner.build.job import build_job, job_loss_and_metrics, precision_policy
+from gacli.runner.builders.job import build_job, job_loss_and_metrics, precision_policy
 from gacli.runner.config.schema import shown_name
-from gacli.runner.logs.console import make_console
-from gacli.runner.logs.throughput import samples_per_second
 from gacli.runner.plan.steps import plan_steps
+from gacli.runner.reporting.console import make_console
+from gacli.runner.reporting.throughput import samples_per_second
 from gacli.runner.training.run import Run
 from gacli.runner.training.run_state import micro_batch_stream
 

@@ -2,7 +2,7 @@
 
 The job is planned and its data loaded as for training (:class:`gacli.runner.training.run.Run`); its
 model, batch-norm policy, optimizer, loss and accumulation settings are built as
-:func:`gacli.runner.build.job.build_job` builds them; then
+:func:`gacli.runner.builders.job.build_job` builds them; then
 :func:`gacli.engine.equivalence.check_equivalence` compares one gacli update over the first window
 of the first pass (in the training order) with one plain-Keras update over the same samples. It
 writes ``equivalence.json`` in the run directory and no ``result.json`` or model.
@@ -19,9 +19,9 @@ from gacli.engine.batchnorm import BatchNormWarning
 from gacli.engine.equivalence import EquivalenceInputError, check_equivalence
 from gacli.errors import ConfigError, TrainingFailed
 from gacli.rundir import is_chief, write_json
-from gacli.runner.build.job import accumulation_config, choose_wrapper, job_loss_and_metrics
-from gacli.runner.build.model import build_model
-from gacli.runner.build.optimizer import build_optimizer
+from gacli.runner.builders.job import accumulation_config, choose_wrapper, job_loss_and_metrics
+from gacli.runner.builders.model import build_model
+from gacli.runner.builders.optimizer import build_optimizer
 from gacli.runner.config.schema import Wrapper
 from gacli.runner.training.run import Run
 from gacli.runner.training.run_state import micro_batch_stream

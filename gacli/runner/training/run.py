@@ -1,13 +1,11 @@
 """``train(cfg) -> metrics``: one ``ga-train`` job, from a composed config to a trained model.
 
 The Hydra entry point (:mod:`gacli.runner.command.cli`) only composes the config and calls this;
-tests call
-it directly. A :class:`Run` owns the job: its batch plan (resolved once by
+tests call it directly. A :class:`Run` owns the job: its batch plan (resolved once by
 :func:`gacli.runner.plan.batch.resolve_batch`, printed at start and logged), the model and engine
-(:mod:`gacli.runner.build.job`), the data stream and its order, its callbacks, checkpoints and
-resume,
-the out-of-memory re-plan and the result. The functions around it take what they use, and can be
-run one by one.
+(:mod:`gacli.runner.builders.job`), the data stream and its order, its callbacks, checkpoints and
+resume, the out-of-memory re-plan and the result. The functions around it take what they use, and
+can be run one by one.
 """
 
 import contextlib
@@ -41,9 +39,9 @@ from gacli.rundir import (
     is_chief,
     write_result,
 )
-from gacli.runner.build.data import load_dataset
-from gacli.runner.build.job import build_job, precision_policy
-from gacli.runner.build.targets import (
+from gacli.runner.builders.data import load_dataset
+from gacli.runner.builders.job import build_job, precision_policy
+from gacli.runner.builders.targets import (
     build_callbacks,
     callback_parts,
     import_roots,
@@ -55,11 +53,6 @@ from gacli.runner.config.schema import (
     OutOfMemory,
     shown_name,
 )
-from gacli.runner.logs.console import ProgressCallback, make_console, startup_panel, summary_table
-from gacli.runner.logs.memory import reset_memory_peaks
-from gacli.runner.logs.run_logs import RunLogger, host_memory_bytes, open_writers
-from gacli.runner.logs.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
-from gacli.runner.logs.writers import check_logger_files, ended_with_the_job
 from gacli.runner.plan.accum_schedule import (
     AccumSchedule,
     StageTable,
@@ -84,6 +77,16 @@ from gacli.runner.plan.steps import (
     execution_steps,
     plan_steps,
 )
+from gacli.runner.reporting.console import (
+    ProgressCallback,
+    make_console,
+    startup_panel,
+    summary_table,
+)
+from gacli.runner.reporting.memory import reset_memory_peaks
+from gacli.runner.reporting.run_logs import RunLogger, host_memory_bytes, open_writers
+from gacli.runner.reporting.throughput import ChangedLayout, MicroBatchLayout, TrainingClock
+from gacli.runner.reporting.writers import check_logger_files, ended_with_the_job
 from gacli.runner.training.resume import guard_run_dir
 from gacli.runner.training.run_state import (
     EpochWeights,

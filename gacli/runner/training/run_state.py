@@ -152,7 +152,7 @@ class RunState:
         self._scratch = None if chief else tempfile.mkdtemp(prefix="gacli-worker-")
         self._manager = None  # made on the first save, after restore() has set the folder right
         # Called with no argument after each save: loggers that send only what a checkpoint
-        # holds (gacli.runner.logs.mlflow_run), so that a resumed run logs no update twice.
+        # holds (gacli.runner.reporting.mlflow_run), so that a resumed run logs no update twice.
         self.after_save = []
 
     @property

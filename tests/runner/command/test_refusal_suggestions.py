@@ -163,7 +163,7 @@ def test_an_optuna_sweep_with_a_misspelt_objective_ends_before_its_first_trial(t
 
 
 def test_every_objective_a_sweep_accepts_is_one_a_run_logs():
-    from gacli.runner.build.job import loss_and_metrics
+    from gacli.runner.builders.job import loss_and_metrics
     from gacli.runner.config.objective import LOGGED
 
     logged = set()

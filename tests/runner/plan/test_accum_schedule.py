@@ -222,8 +222,8 @@ def _micro_batch_bn_reference(cfg, accum_by_epoch):
     import keras
     import tensorflow as tf
 
-    from gacli.runner.build.data import load_dataset
-    from gacli.runner.build.model import build_model
+    from gacli.runner.builders.data import load_dataset
+    from gacli.runner.builders.model import build_model
     from gacli.runner.training.run_state import pass_order
 
     data = load_dataset(cfg.dataset, cfg.seed)
@@ -432,8 +432,8 @@ def test_gns_growth_follows_the_noise_scale_of_every_example(tmp_path, gns_data,
     run (from the first epoch's checkpoint) decides the same from the checkpointed averages."""
     import keras
 
-    from gacli.runner.build.data import load_dataset
-    from gacli.runner.build.model import build_model
+    from gacli.runner.builders.data import load_dataset
+    from gacli.runner.builders.model import build_model
 
     cfg = compose_config(*_gns_job(gns_data))
     data = load_dataset(cfg.dataset, cfg.seed)

@@ -12,8 +12,7 @@ import keras
 import numpy as np
 import pytest
 
-from gacli.runner.build.data import load_dataset
-from gacli.runner.logs.throughput import ChangedLayout, MicroBatchLayout
+from gacli.runner.builders.data import load_dataset
 from gacli.runner.plan.batch import BatchPlan
 from gacli.runner.plan.out_of_memory import (
     WindowStart,
@@ -21,6 +20,7 @@ from gacli.runner.plan.out_of_memory import (
     smaller_micro_batch,
     smaller_plan,
 )
+from gacli.runner.reporting.throughput import ChangedLayout, MicroBatchLayout
 from gacli.runner.training.run import train
 from helpers import (
     compose_config,
@@ -66,7 +66,7 @@ def test_the_micro_batch_halves_to_a_divisor_and_the_position_follows_the_sample
 def test_the_call_that_compiles_again_after_a_recovery_is_not_timed():
     import tensorflow as tf
 
-    from gacli.runner.logs.throughput import TrainingClock
+    from gacli.runner.reporting.throughput import TrainingClock
 
     class Counter:
         micro_step = tf.Variable(0, dtype="int64")

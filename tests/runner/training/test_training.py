@@ -167,7 +167,7 @@ def test_schedules_count_optimizer_updates_and_are_logged(tmp_path):
 
 
 def test_warmup_then_cosine_in_updates():
-    from gacli.runner.build.optimizer import learning_rate_schedule
+    from gacli.runner.builders.optimizer import learning_rate_schedule
     from gacli.runner.config.schema import OptimizerConfig, Schedule
 
     schedule = learning_rate_schedule(
@@ -182,7 +182,7 @@ def test_warmup_then_cosine_in_updates():
 
 
 def test_linear_lr_scaling():
-    from gacli.runner.build.optimizer import scaled_learning_rate
+    from gacli.runner.builders.optimizer import scaled_learning_rate
     from gacli.runner.config.schema import LRScaling
 
     assert scaled_learning_rate(0.1, 1024, LRScaling.linear, 256) == pytest.approx(0.4)
@@ -196,9 +196,11 @@ def test_device_memory_and_hparams_are_logged(tmp_path, monkeypatch):
     caller's TF32 setting is back afterwards."""
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    import gacli.runner.logs.run_logs
+    import gacli.runner.reporting.run_logs
 
-    monkeypatch.setattr(gacli.runner.logs.run_logs, "device_memory_bytes", lambda: (1234, 5678))
+    monkeypatch.setattr(
+        gacli.runner.reporting.run_logs, "device_memory_bytes", lambda: (1234, 5678)
+    )
     tf.config.experimental.enable_tensor_float_32_execution(True)
     run_dir, _ = run(tmp_path, "epochs=1", "steps_per_epoch=2", "tf32=off")
     assert tf.config.experimental.tensor_float_32_execution_enabled()
@@ -317,7 +319,7 @@ def test_the_progress_bar_counts_the_runs_updates_beside_the_epoch_it_is_in():
     from rich.console import Console
 
     from gacli.runner.config.schema import Progress
-    from gacli.runner.logs.console import ProgressCallback
+    from gacli.runner.reporting.console import ProgressCallback
 
     counters = {"optimizer_step": 5, "micro_step": 20}
     accumulator = types.SimpleNamespace(after_call=counters.get)
@@ -336,7 +338,7 @@ def test_the_progress_bar_counts_the_runs_updates_beside_the_epoch_it_is_in():
 def test_progress_lines_show_every_metric_logged():
     """The text recipe's val_perplexity, regression's rmse and a user's metric, beside the loss;
     the engine's counts and a metric of several numbers are left to TensorBoard."""
-    from gacli.runner.logs.console import _format_logs
+    from gacli.runner.reporting.console import _format_logs
 
     logs = {
         "loss": 1.5,
@@ -362,8 +364,8 @@ def test_train_puts_back_the_callers_precision_policy(tmp_path):
 
 def test_the_job_steps_run_alone(tmp_path):
     """train()'s steps take what they need and can be run one by one."""
-    from gacli.runner.build.data import load_dataset
-    from gacli.runner.build.job import build_job
+    from gacli.runner.builders.data import load_dataset
+    from gacli.runner.builders.job import build_job
     from gacli.runner.plan.batch import resolve_batch
     from gacli.runner.plan.steps import plan_steps
 

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from gacli.errors import ConfigError
-from gacli.runner.build import targets
+from gacli.runner.builders import targets
 from gacli.runner.config.arguments import section_arguments
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")

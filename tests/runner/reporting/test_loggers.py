@@ -24,8 +24,8 @@ from tensorboard.util.tensor_util import make_ndarray
 
 from gacli.errors import ConfigError, TrainingFailed
 from gacli.runner.config.validate import validate
-from gacli.runner.logs import mlflow_run
-from gacli.runner.logs.csv_file import MetricsCsv
+from gacli.runner.reporting import mlflow_run
+from gacli.runner.reporting.csv_file import MetricsCsv
 from gacli.runner.training.run import train
 from helpers import compose_config, ga_report, ga_train, start_ga_train
 

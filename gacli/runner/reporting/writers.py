@@ -1,12 +1,11 @@
 """Where a run's scalars go: ``logger=[tensorboard,csv,mlflow]`` (docs/guides/loggers.md).
 
-One callback, :class:`gacli.runner.logs.run_logs.RunLogger`, works out the scalars once per
-optimizer
-update (and the validation metrics once per epoch) and hands every writer the same (tag, number)
-pairs at the same step: ``tensorboard`` writes the event file under ``tensorboard/`` (the
-default), ``csv`` the run directory's ``metrics.csv`` (:mod:`gacli.runner.logs.csv_file`),
-``mlflow`` a run in an MLflow tracking store (:mod:`gacli.runner.logs.mlflow_run`). Only the chief
-process writes.
+One callback, :class:`gacli.runner.reporting.run_logs.RunLogger`, works out the scalars once per
+optimizer update (and the validation metrics once per epoch) and hands every writer the same (tag,
+number) pairs at the same step: ``tensorboard`` writes the event file under ``tensorboard/`` (the
+default), ``csv`` the run directory's ``metrics.csv`` (:mod:`gacli.runner.reporting.csv_file`),
+``mlflow`` a run in an MLflow tracking store (:mod:`gacli.runner.reporting.mlflow_run`). Only the
+chief process writes.
 
 Nothing here imports TensorFlow or MLflow: the names, and whether MLflow is installed, are
 checked with the rest of the config before anything is built.
@@ -77,21 +76,22 @@ def check_loggers(cfg, given=()):
 
 def check_logger_files(cfg, run_dir):
     """ConfigError, before anything is built, where a logger's file or store cannot be used:
-    ``metrics.csv`` (:func:`gacli.runner.logs.csv_file.check_table`) and the MLflow tracking store
-    (:func:`gacli.runner.logs.mlflow_run.check_store`, seconds, without importing MLflow)."""
+    ``metrics.csv`` (:func:`gacli.runner.reporting.csv_file.check_table`) and the MLflow tracking
+    store
+    (:func:`gacli.runner.reporting.mlflow_run.check_store`, seconds, without importing MLflow)."""
     names = logger_names(cfg.logger)
     if "csv" in names:
-        from gacli.runner.logs.csv_file import check_table
+        from gacli.runner.reporting.csv_file import check_table
 
         check_table(os.path.join(run_dir, CSV_FILE))
     if "mlflow" in names:
-        from gacli.runner.logs.mlflow_run import check_store
+        from gacli.runner.reporting.mlflow_run import check_store
 
         check_store(cfg, run_dir)
 
 
 class ScalarWriter:
-    """Where :class:`~gacli.runner.logs.run_logs.RunLogger` writes the run's scalars. A writer
+    """Where :class:`~gacli.runner.reporting.run_logs.RunLogger` writes the run's scalars. A writer
     implements :meth:`write`; the other steps do nothing unless it needs them."""
 
     def start(self, step):

@@ -3,11 +3,10 @@
 Host memory comes from one read of ``/proc/self/status`` (Linux): ``VmRSS`` and ``VmHWM`` are
 computed by the kernel from the same counters in that read. (``getrusage`` and
 ``/proc/self/statm`` read at two moments disagree while other threads allocate:
-``tests/runner/logs/test_run_logging.py`` shows it.) The kernel's counters are approximate and its
-high-water
-mark is raised lazily, so a later ``VmHWM`` can be a few pages below an earlier ``VmRSS``; the peak
-reported is the largest value read since the job started, which never goes down and is never
-below the current value.
+``tests/runner/reporting/test_run_logging.py`` shows it.) The kernel's counters are approximate and
+its high-water mark is raised lazily, so a later ``VmHWM`` can be a few pages below an earlier
+``VmRSS``; the peak reported is the largest value read since the job started, which never goes down
+and is never below the current value.
 
 A ``ga-train -m`` sweep runs its jobs one after another in one process (Hydra's basic launcher):
 :func:`reset_memory_peaks` at each job's start makes the peaks that job's, not the process's.

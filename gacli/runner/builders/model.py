@@ -1,9 +1,9 @@
 """Building the model a config's ``model`` section names: ``model=unet`` (its file's ``_target_``,
 ``gacli.models.unet``) and ``model._target_=my_pkg.nets.Net`` alike, by
-:func:`gacli.runner.build.targets.build`; the data fills in ``input_shape``, ``num_outputs`` and
+:func:`gacli.runner.builders.targets.build`; the data fills in ``input_shape``, ``num_outputs`` and
 ``task`` where the target takes them."""
 
-from gacli.runner.build import targets
+from gacli.runner.builders import targets
 from gacli.runner.config.arguments import section_arguments
 
 

@@ -23,9 +23,9 @@ import os
 import time
 
 from gacli.errors import ConfigError, TrainingFailed
-from gacli.runner.logs.writers import ScalarWriter
+from gacli.runner.reporting.writers import ScalarWriter
 
-_FLUSH_EVERY_S = 10.0  # as the TensorBoard event file (gacli.runner.logs.run_logs)
+_FLUSH_EVERY_S = 10.0  # as the TensorBoard event file (gacli.runner.reporting.run_logs)
 _FIRST = ("step", "wall_time")
 
 

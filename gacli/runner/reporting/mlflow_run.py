@@ -36,7 +36,7 @@ import urllib.request
 
 from gacli.errors import ConfigError, first_line
 from gacli.rundir import read_json, write_json
-from gacli.runner.logs.writers import ScalarWriter
+from gacli.runner.reporting.writers import ScalarWriter
 
 RUN_FILE = "mlflow_run.json"  # in the run directory: the tracking URI and the run's id
 ARTIFACTS_DIR = "mlartifacts"  # beside a SQLite store's file (ga-report does not look in it)

@@ -2,9 +2,8 @@
 
 On a terminal a rich progress bar shows updates and micro-batches, loss, samples/s and the ETA; when
 output is not a terminal, or jobs of a multirun share it, the same facts come as plain lines.
-Samples/s is the run's mean training throughput so far, as :mod:`gacli.runner.logs.throughput`
-defines
-it: the number TensorBoard's ``throughput/mean_samples_per_sec`` holds at the same update.
+Samples/s is the run's mean training throughput so far, as :mod:`gacli.runner.reporting.throughput`
+defines it: the number TensorBoard's ``throughput/mean_samples_per_sec`` holds at the same update.
 """
 
 import os
@@ -27,7 +26,7 @@ from rich.progress import (
 from rich.table import Table
 
 from gacli.runner.config.schema import Progress as ProgressMode
-from gacli.runner.logs.throughput import samples_per_second
+from gacli.runner.reporting.throughput import samples_per_second
 
 
 def make_console():
@@ -96,7 +95,7 @@ class ProgressCallback(keras.callbacks.Callback):
 
     ``total_updates``: the run's optimizer updates (a schedule's stages summed; under
     ``accum_schedule=gns``, re-estimated at each stage by :meth:`set_total`). ``clock``: the run's
-    :class:`~gacli.runner.logs.throughput.TrainingClock`, placed before this callback.
+    :class:`~gacli.runner.reporting.throughput.TrainingClock`, placed before this callback.
     """
 
     def __init__(

@@ -11,7 +11,7 @@ import math
 import keras
 
 from gacli.engine.schedules import LinearWarmup
-from gacli.runner.build import targets
+from gacli.runner.builders import targets
 from gacli.runner.config.arguments import section_arguments
 from gacli.runner.config.schema import LRScaling, Schedule
 

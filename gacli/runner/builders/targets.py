@@ -94,7 +94,8 @@ CALLBACK = Kind(
     lambda made: isinstance(made, keras.callbacks.Callback),
     "return an instance of a keras.callbacks.Callback subclass",
 )
-# What a dataset target returns is checked by gacli.runner.build.data, which says what each part is.
+# What a dataset target returns is checked by gacli.runner.builders.data, which says what each part
+# is.
 ANYTHING = Kind("anything", lambda made: True, "")
 
 

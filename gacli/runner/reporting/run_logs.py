@@ -1,16 +1,16 @@
 """The run's scalars, stepped by optimizer update, and TensorBoard's writer of them.
 
 :class:`RunLogger` works them out once per update and hands the same (tag, number) pairs to each
-writer that ``logger=`` names (:mod:`gacli.runner.logs.writers`); :class:`TensorBoardWriter` is the
-default one.
+writer that ``logger=`` names (:mod:`gacli.runner.reporting.writers`); :class:`TensorBoardWriter`
+is the default one.
 
 Tags: ``batch/{effective_size,micro_size,accum_steps,replicas}`` (the configuration),
 ``batch/update_samples`` (the samples the update was taken over), ``train/<metric>``,
 ``val/<metric>``, ``optimizer/{lr,step,micro_step}``,
 ``throughput/{samples_per_sec,mean_samples_per_sec}`` and ``time/first_call_seconds``
-(:mod:`gacli.runner.logs.throughput`), ``memory/{device_current_bytes,device_peak_bytes}`` (where
-TensorFlow tracks device memory: GPUs; the CPU allocator reports nothing),
-``memory/{host_rss_bytes,host_peak_rss_bytes}`` (:mod:`gacli.runner.logs.memory`), plus
+(:mod:`gacli.runner.reporting.throughput`), ``memory/{device_current_bytes,device_peak_bytes}``
+(where TensorFlow tracks device memory: GPUs; the CPU allocator reports nothing),
+``memory/{host_rss_bytes,host_peak_rss_bytes}`` (:mod:`gacli.runner.reporting.memory`), plus
 ``precision/loss_scale`` and ``precision/skipped_*`` when loss scaling is on,
 ``schedule/{noise_scale,accum_steps,effective_size}`` at each decision of ``accum_schedule=gns``,
 and the run's hyper-parameters for TensorBoard's HParams tab.
@@ -35,10 +35,10 @@ from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from gacli.engine.window import read_now
-from gacli.runner.logs.console import micro_batches_done
-from gacli.runner.logs.memory import device_memory_bytes, host_memory_bytes
-from gacli.runner.logs.throughput import samples_per_second
-from gacli.runner.logs.writers import CSV_FILE, ScalarWriter, logger_names
+from gacli.runner.reporting.console import micro_batches_done
+from gacli.runner.reporting.memory import device_memory_bytes, host_memory_bytes
+from gacli.runner.reporting.throughput import samples_per_second
+from gacli.runner.reporting.writers import CSV_FILE, ScalarWriter, logger_names
 
 _SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description=None)
 
@@ -186,12 +186,12 @@ class RunLogger(keras.callbacks.Callback):
     micro-batches after the last update), not every micro-batch.
 
     Args:
-        writers: the :class:`~gacli.runner.logs.writers.ScalarWriter` of each logger (e.g. a
+        writers: the :class:`~gacli.runner.reporting.writers.ScalarWriter` of each logger (e.g. a
             :class:`TensorBoardWriter`), from :func:`open_writers`.
         plan: the run's :class:`~gacli.runner.plan.batch.BatchPlan`.
         accumulator: the run's GradientAccumulateOptimizer (counters, learning rate).
-        clock: the run's :class:`~gacli.runner.logs.throughput.TrainingClock`, placed before this
-            callback (samples per micro-batch, training time); the progress display reads the
+        clock: the run's :class:`~gacli.runner.reporting.throughput.TrainingClock`, placed before
+        this callback (samples per micro-batch, training time); the progress display reads the
             same one.
 
     Example:
@@ -378,7 +378,7 @@ class RunLogger(keras.callbacks.Callback):
             writer.close()
 
     def end(self, status, reason=None):
-        """The job ended (:func:`gacli.runner.logs.writers.ended_with_the_job`)."""
+        """The job ended (:func:`gacli.runner.reporting.writers.ended_with_the_job`)."""
         for writer in self.writers:
             writer.end(status, reason)
 
@@ -398,11 +398,11 @@ def open_writers(cfg, run_dir, hparams, resolved):
     if "tensorboard" in names:
         writers.append(TensorBoardWriter(os.path.join(run_dir, "tensorboard"), hparams))
     if "csv" in names:
-        from gacli.runner.logs.csv_file import MetricsCsv
+        from gacli.runner.reporting.csv_file import MetricsCsv
 
         writers.append(MetricsCsv(os.path.join(run_dir, CSV_FILE)))
     if "mlflow" in names:
-        from gacli.runner.logs.mlflow_run import MlflowRun
+        from gacli.runner.reporting.mlflow_run import MlflowRun
 
         writers.append(MlflowRun.open(cfg, run_dir, resolved))
     return writers

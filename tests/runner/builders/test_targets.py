@@ -16,8 +16,8 @@ from user_project import nets
 
 from gacli.engine.schedules import LinearWarmup
 from gacli.errors import ConfigError
-from gacli.runner.build import targets
-from gacli.runner.build.optimizer import build_optimizer
+from gacli.runner.builders import targets
+from gacli.runner.builders.optimizer import build_optimizer
 from gacli.runner.command.user_input import check_overrides, check_user_yaml, replaced_sections
 from gacli.runner.config import objective
 from gacli.runner.config.arguments import section_arguments
@@ -367,8 +367,8 @@ def test_a_job_that_would_train_nothing_is_refused_before_training(tmp_path):
     """A model none of whose weights trains, as ga-train runs it; then the model and data checks
     it calls: a model of no weights, one that computes in float16 without loss scaling, and data
     whose every sample weight is 0 (the loss would be 0.0, which a sweep ranks best)."""
-    from gacli.runner.build.data import load_dataset
-    from gacli.runner.build.job import check_trainable
+    from gacli.runner.builders.data import load_dataset
+    from gacli.runner.builders.job import check_trainable
     from gacli.runner.config.schema import Policy
     from gacli.runner.training.run import train
 
@@ -549,9 +549,9 @@ def test_the_users_part_that_raised_in_fit_is_found():
 
 
 def test_a_model_loss_or_metric_that_cannot_train_is_refused_before_training():
-    from gacli.runner.build.data import load_dataset
-    from gacli.runner.build.job import check_fits
-    from gacli.runner.build.model import build_model
+    from gacli.runner.builders.data import load_dataset
+    from gacli.runner.builders.job import check_fits
+    from gacli.runner.builders.model import build_model
 
     with pytest.raises(ConfigError) as refused:
         targets.build_metrics(["accuracy", "accuracyy"])
@@ -597,7 +597,7 @@ def test_a_model_loss_or_metric_that_cannot_train_is_refused_before_training():
 def test_data_from_a_dataset_target_that_cannot_train_is_refused(monkeypatch):
     """Regression targets of more than one axis a sample; a generator that never ends (its size
     unknown), read up to a limit (lowered here from its million)."""
-    from gacli.runner.build import data
+    from gacli.runner.builders import data
 
     grids = compose_config(
         "dataset._target_=user_project.data.grid_targets", "dataset.task=regression"

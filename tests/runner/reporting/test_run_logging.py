@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 import gacli.runner.training.run
-from gacli.runner.logs.run_logs import host_memory_bytes
+from gacli.runner.reporting.run_logs import host_memory_bytes
 from gacli.runner.training.run import train
 from helpers import compose_config, event_tags, scalars
 

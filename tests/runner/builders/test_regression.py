@@ -86,9 +86,9 @@ def test_ga_report_shows_the_regression_metrics_lower_is_better(run):
 
 
 def test_targets_of_width_k_give_k_linear_outputs(tmp_path):
-    from gacli.runner.build.data import load_dataset
-    from gacli.runner.build.job import check_fits, loss_and_metrics
-    from gacli.runner.build.model import build_model
+    from gacli.runner.builders.data import load_dataset
+    from gacli.runner.builders.job import check_fits, loss_and_metrics
+    from gacli.runner.builders.model import build_model
 
     _write_linear(tmp_path, samples=40, widths=(4, 3))
     cfg = compose_config(*REGRESSION[:3], f"dataset.path={tmp_path / 'train.npz'}")
@@ -106,7 +106,7 @@ def test_targets_of_width_k_give_k_linear_outputs(tmp_path):
 def test_tfrecord_targets_train_as_rows_of_their_values(tmp_path):
     import tensorflow as tf
 
-    from gacli.runner.build.data import load_dataset
+    from gacli.runner.builders.data import load_dataset
 
     def floats(values):
         return tf.train.Feature(float_list=tf.train.FloatList(value=values))
@@ -163,7 +163,7 @@ def test_targets_whose_squared_error_overflows_float32_are_refused(tmp_path):
     """Targets near 1e30: the mean squared error of an untrained model is inf in float32 (its
     gradient is not), so such data is refused where it is read, naming the row."""
     from gacli.errors import ConfigError
-    from gacli.runner.build.data import load_dataset
+    from gacli.runner.builders.data import load_dataset
 
     x = np.zeros((20, 4), "float32")
     y = np.ones(20, "float32")

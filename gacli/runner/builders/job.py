@@ -28,9 +28,9 @@ from gacli.engine.schedules import ScaledLearningRate
 from gacli.engine.settings import AccumulationConfig
 from gacli.engine.tf32 import tf32_description, tf32_enabled
 from gacli.errors import ConfigError
-from gacli.runner.build.model import build_model
-from gacli.runner.build.optimizer import build_optimizer, learning_rate_schedule
-from gacli.runner.build.targets import build_loss, build_metrics, own_parts
+from gacli.runner.builders.model import build_model
+from gacli.runner.builders.optimizer import build_optimizer, learning_rate_schedule
+from gacli.runner.builders.targets import build_loss, build_metrics, own_parts
 from gacli.runner.config.objective import check_metric, metric_name
 from gacli.runner.config.schema import (
     Policy,
@@ -100,7 +100,8 @@ def loss_and_metrics(task, num_outputs):
 
 def job_loss_and_metrics(cfg, task, num_outputs):
     """The job's loss and compiled metrics: its ``loss`` and ``metrics`` settings where given
-    (:mod:`gacli.runner.build.targets` builds them), else the task's (:func:`loss_and_metrics`)."""
+    (:mod:`gacli.runner.builders.targets` builds them), else the task's
+    (:func:`loss_and_metrics`)."""
     loss, metrics = loss_and_metrics(task, num_outputs)
     own_loss = build_loss(cfg.get("loss"))
     if cfg.get("metrics") is not None:
@@ -291,7 +292,7 @@ class Job:
     scaled_rate: ScaledLearningRate | None = None  # accum_schedule: the stage's learning rate
     batchnorm_warning: str | None = None  # printed after the panel (batchnorm_warning())
     # (config key, object) of each part a _target_ of the user's built: what raised names it
-    # (gacli.runner.build.targets.raised_by)
+    # (gacli.runner.builders.targets.raised_by)
     own: tuple = ()
 
     def facts(self, cfg, plan, data, steps, strategy):

@@ -12,7 +12,7 @@ import pytest
 import gacli
 from gacli.engine.accumulation import AFTER_CALL, COUNTERS_LOG_KEY, NOISE_STATE_LOG_KEY
 from gacli.engine.window import read_now
-from gacli.runner.logs.run_logs import EventFile, UpdateEvents
+from gacli.runner.reporting.run_logs import EventFile, UpdateEvents
 from helpers import event_tags, ga_train, make_data, mlp_layers, run_dir_of, scalars
 
 

@@ -89,18 +89,26 @@ FILLED = {
 }
 
 
+def shipped_target(section):
+    """The function of ``gacli.models`` or ``gacli.datasets`` that ``section``'s ``_target_``
+    names; None for a target of the user's own (or a name the module does not hold: building it
+    refuses the path, naming what the module holds)."""
+    import importlib
+
+    module, _, name = str(section.get("_target_")).rpartition(".")
+    if module not in SHIPPED.values():
+        return None
+    return getattr(importlib.import_module(module), name, None)
+
+
 def check_shipped(group, section):
     """ConfigError, before TensorFlow loads, for a key of ``section`` that its shipped target
     (``gacli.models.unet``) does not take, or an argument it needs that is not given; nothing for
     a target of the user's own (checked when it is called)."""
-    import importlib
-
-    module, _, name = str(section._target_).rpartition(".")
-    if module != SHIPPED.get(group):
-        return
-    target = getattr(importlib.import_module(module), name, None)
+    target = shipped_target(section)
     if target is None:
-        return  # gacli.runner.config.validate refuses the path, naming what the module holds
+        return
+    module, name = target.__module__, target.__name__
     arguments = section_arguments(section, group)
     arguments.pop("_target_")
     filled = dict.fromkeys(FILLED[group])

@@ -336,7 +336,6 @@ GROUPS = {
 # checks it: a shipped model's or dataset's while the config is validated
 # (gacli.runner.config.arguments.check_shipped), another target's when it is called.
 TARGET_SECTIONS = ("model", "dataset", "optimizer", "loss")
-OPEN_SECTIONS = TARGET_SECTIONS
 # The modules of the models and data sets that ship (configs/model/*.yaml, configs/dataset/*.yaml
 # name their functions); importing them loads no TensorFlow.
 SHIPPED = {"model": "gacli.models", "dataset": "gacli.datasets"}
@@ -373,7 +372,7 @@ def register_configs():
 
     store = ConfigStore.instance()
     schema = OmegaConf.structured(TrainConfig)
-    for section in OPEN_SECTIONS:
+    for section in TARGET_SECTIONS:
         OmegaConf.set_struct(schema[section], False)
     store.store(name="gacli_schema", node=schema)
     for group, schema in GROUPS.items():

@@ -6,7 +6,12 @@ from collections.abc import Sequence
 
 from gacli.engine.options import PartialWindow
 from gacli.errors import ConfigError
-from gacli.runner.config.arguments import check_shipped, parameters_of, section_arguments
+from gacli.runner.config.arguments import (
+    check_shipped,
+    parameters_of,
+    section_arguments,
+    shipped_target,
+)
 from gacli.runner.config.schema import (
     AUTO,
     EXAMPLE_TARGETS,
@@ -422,7 +427,7 @@ def _validate_ranges(cfg):
             raise ConfigError(
                 f"model.{key}={list(sizes)} must hold layer widths >= 1, e.g. model.{key}=[64,64]."
             )
-    target = _shipped_target(dataset)
+    target = shipped_target(dataset)
     takes_task = target is None or "task" in parameters_of(target).named
     if dataset.task == Task.regression and is_shipped(dataset) and not takes_task:
         name = shown_name(dataset)
@@ -447,16 +452,6 @@ def _shipped_argument(group, section, name):
     from gacli.runner.config.schema import OWN_SECTION_KEYS
 
     return name in OWN_SECTION_KEYS[group] or is_shipped(section)
-
-
-def _shipped_target(section):
-    """The function a shipped section's ``_target_`` names (None for the user's own)."""
-    import importlib
-
-    module, _, name = str(section.get("_target_")).rpartition(".")
-    if module not in SHIPPED.values():
-        return None
-    return getattr(importlib.import_module(module), name, None)
 
 
 # Keys that only some choices read: {key: (what decides, the choices that read it)}. A key given

@@ -45,6 +45,23 @@ _LAZY = {
     "tf32_enabled": "gacli.engine.tf32",
     "recompute": "gacli.engine.remat",
     "Recompute": "gacli.engine.remat",
+    # The building blocks ga-train uses, for tools built on gacli in the same way.
+    "set_accum_steps": "gacli.engine.accumulate_model",
+    "AccumulatingModelWrapper": "gacli.engine.accumulate_model",
+    "plain_batchnorm_layers": "gacli.engine.batchnorm",
+    "EquivalenceInputError": "gacli.engine.equivalence",
+    "LinearWarmup": "gacli.engine.schedules",
+    "ScaledLearningRate": "gacli.engine.schedules",
+    "gpus_with_tf32": "gacli.engine.tf32",
+    "tf32_used": "gacli.engine.tf32",
+    "tf32_description": "gacli.engine.tf32",
+    "noise_from_two_sizes": "gacli.engine.window",
+    "read_now": "gacli.engine.window",
+    "release_free_memory": "gacli.engine.host_memory",
+    "sublayers": "gacli.engine.model_graph",
+    "is_functional": "gacli.engine.model_graph",
+    "in_multi_worker_mode": "gacli.engine.cluster",
+    "configure_heartbeat_timeout": "gacli.engine.cluster",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

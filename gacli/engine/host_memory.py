@@ -37,7 +37,10 @@ def _malloc_trim():
 
 
 def release_free_memory():
-    """Return the pages malloc holds free to the OS; True when the C library can do it."""
+    """Give the pages that the C library's allocator holds free back to the operating system
+    (glibc's ``malloc_trim``), so that resident memory measured after it is memory in use: call
+    it before reading a process's resident size. True when the C library can do it (glibc);
+    False, doing nothing, elsewhere."""
     trim = _malloc_trim()
     if trim is None:
         return False

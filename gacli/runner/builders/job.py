@@ -10,7 +10,6 @@ import keras
 import tensorflow as tf
 from omegaconf import OmegaConf
 
-from gacli.engine import _keras_compat as compat
 from gacli.engine.accumulate_model import (
     wrap_model,
 )
@@ -23,6 +22,7 @@ from gacli.engine.batchnorm import (
     apply_batchnorm_policy,
     plain_batchnorm_layers,
 )
+from gacli.engine.model_graph import sublayers
 from gacli.engine.options import BatchNormPolicy, NonFinite
 from gacli.engine.schedules import ScaledLearningRate
 from gacli.engine.settings import AccumulationConfig
@@ -201,7 +201,7 @@ def check_trainable(model, model_cfg, policy):
         return
     half = [
         layer.name
-        for layer in compat.sublayers(model, include_self=True)
+        for layer in sublayers(model, include_self=True)
         if layer.compute_dtype == "float16"
     ]
     if half:

@@ -57,9 +57,10 @@ def _is_optimizer(made):
 
 
 def _is_plain_model(made):
-    from gacli.engine.accumulate_model import AccumulationMixin
+    from gacli.engine.accumulate_model import AccumulatingModelWrapper, GradientAccumulateModel
 
-    return isinstance(made, keras.Model) and not isinstance(made, AccumulationMixin)
+    wrapped = (AccumulatingModelWrapper, GradientAccumulateModel)
+    return isinstance(made, keras.Model) and not isinstance(made, wrapped)
 
 
 MODEL = Kind(

@@ -82,7 +82,7 @@ def make_strategy(cfg):
                 "(docs/guides/distributed.md shows Kubernetes and SLURM)."
             )
         read_tf_config(config)  # ConfigError, saying what to give, for one that cannot be read
-        from gacli.engine._keras_compat import configure_heartbeat_timeout
+        from gacli.engine.cluster import configure_heartbeat_timeout
 
         configure_heartbeat_timeout(cfg.peer_timeout_seconds)
         return tf.distribute.MultiWorkerMirroredStrategy()
@@ -102,6 +102,6 @@ def make_strategy(cfg):
 
 def is_multi_worker(strategy):
     """Whether ``strategy`` spans several worker processes."""
-    from gacli.engine._keras_compat import in_multi_worker_mode
+    from gacli.engine.cluster import in_multi_worker_mode
 
     return in_multi_worker_mode(strategy)

@@ -404,10 +404,10 @@ def remat_setting(value):
     ValueError, saying what to pass, for anything else."""
     from omegaconf import OmegaConf
 
-    from gacli.engine.settings import parse_remat
+    from gacli.engine.settings import AccumulationConfig
 
     plain = OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
-    return parse_remat(tuple(plain) if isinstance(plain, list) else plain)
+    return AccumulationConfig(remat=tuple(plain) if isinstance(plain, list) else plain).remat
 
 
 def expected_replicas(strategy):

@@ -20,7 +20,6 @@ import keras
 import tensorflow as tf
 from omegaconf import OmegaConf
 
-from gacli.engine import _keras_compat as compat
 from gacli.engine.accumulate_model import (
     AccumulatingModelWrapper,
     accumulation_callbacks,
@@ -29,6 +28,7 @@ from gacli.engine.accumulate_model import (
 from gacli.engine.accumulation import (
     NonFiniteError,
 )
+from gacli.engine.model_graph import is_functional, sublayers
 from gacli.engine.options import BatchNormPolicy
 from gacli.engine.precise_batchnorm import PreciseBatchNorm
 from gacli.engine.tf32 import tf32_enabled, tf32_mode, tf32_used
@@ -841,7 +841,7 @@ def not_loadable_whole(model):
     ``@keras.saving.register_keras_serializable()``), and no subclassed model may rely on Keras'
     automatic config: for a model, Keras makes it from the defaults of ``__init__``, not from the
     arguments it was built with (its weights would not fit what it builds)."""
-    for layer in compat.sublayers(model, include_self=True):
+    for layer in sublayers(model, include_self=True):
         cls = type(layer)
         if cls.__module__.split(".")[0] in _FOUND_BY_MODULE:
             continue
@@ -857,7 +857,7 @@ def not_loadable_whole(model):
             for base in cls.__mro__
             if base.__module__.split(".")[0] not in _FOUND_BY_MODULE
         )
-        if isinstance(layer, keras.Model) and not compat.is_functional(layer) and not own_config:
+        if isinstance(layer, keras.Model) and not is_functional(layer) and not own_config:
             return f"{name} is a subclassed model that defines no get_config"
     return None
 

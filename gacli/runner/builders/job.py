@@ -4,6 +4,7 @@ before anything trains."""
 
 import contextlib
 import dataclasses
+import re
 import warnings
 
 import keras
@@ -405,6 +406,19 @@ def build_job(cfg, plan, data, steps, strategy):
     )
 
 
+def remat_as_typed(message):
+    """The library's ``remat=`` suggestions in ``message`` (Python: ``remat=['a', 'b']``,
+    ``remat='every'``) as they are typed on ga-train's command line (``'remat=[a,b]'``,
+    ``remat=every``)."""
+
+    def listed(match):
+        names = re.findall(r"'([^']*)'", match.group(1))
+        return "'remat=[" + ",".join(names) + "]'"
+
+    message = re.sub(r"remat=\[([^\]]*)\]", listed, message)
+    return re.sub(r"remat='(\w+)'", r"remat=\1", message)
+
+
 def _with_accumulation(model, inner, wrapper, settings):
     """(model, optimizer) to compile: the model wrapped and the inner optimizer, or the model as
     it is and the inner optimizer wrapped."""
@@ -415,8 +429,9 @@ def _with_accumulation(model, inner, wrapper, settings):
             if settings.remat is None or not str(error).startswith("remat"):
                 raise
             # The model cannot be cut as remat asks (a subclassed model, one skip connection
-            # spanning it): the library's paragraph says what to give instead.
-            raise ConfigError(str(error)) from None
+            # spanning it): the library's paragraph says what to give instead, spelt as
+            # ga-train's command line takes it.
+            raise ConfigError(remat_as_typed(str(error))) from None
         # The callbacks read the counters from each call's logs where the model can return them
         # (one replica, not a TPU); elsewhere they read the variables after each call.
         model.counters_in_logs = True

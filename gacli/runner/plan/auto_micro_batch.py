@@ -47,6 +47,7 @@ from gacli.runner.config.schema import (
     shown_name,
 )
 from gacli.runner.plan.batch import AutoPlan, BatchPlan
+from gacli.runner.plan.job_plan import PlanSettings
 from gacli.runner.plan.out_of_memory import oom_line
 from gacli.runner.plan.steps import execution_steps, plan_steps
 from gacli.runner.reporting.console import make_console
@@ -375,7 +376,8 @@ def settle_plan(cfg, plan, data, strategy, run_dir, announce=None):
     # Without XLA: an out-of-memory error inside an XLA program leaves the variables unusable
     # (see _stop_for_resume). XLA's fused step usually needs less memory than this one.
     probed = OmegaConf.merge(cfg, {"jit_compile": False})
-    job = build_job(probed, first, data, plan_steps(cfg, first, data.train_size), strategy)
+    steps = plan_steps(PlanSettings.of(cfg), first, data.train_size)
+    job = build_job(probed, first, data, steps, strategy)
     micro, probes = find_micro_batch_size(
         job.model,
         strategy,
@@ -481,7 +483,7 @@ class ProbeHooks:
             )
             self.started = True
         sized = self.plan.with_micro_batch_size(size)
-        spe = execution_steps(self.cfg, sized, self.job.wrapper)
+        spe = execution_steps(PlanSettings.of(self.cfg), sized, self.job.wrapper)
         set_accum_steps(self.job.model, sized.accum_steps, spe)
 
     def finished(self, probe):

@@ -32,7 +32,6 @@ from gacli.errors import ConfigError, TrainingFailed
 from gacli.rundir import CHECKPOINT_DIR, checkpoint_numbers, write_json
 from gacli.runner.builders.job import build_job, job_loss_and_metrics, precision_policy
 from gacli.runner.config.schema import shown_name
-from gacli.runner.plan.steps import plan_steps
 from gacli.runner.reporting.console import make_console
 from gacli.runner.reporting.throughput import samples_per_second
 from gacli.runner.training.run import Run
@@ -101,8 +100,7 @@ class StartPoint:
     def __init__(self, cfg, run):
         self.cfg = cfg
         self.run = run
-        steps = plan_steps(run.cfg, run.plan, run.data.train_size)
-        self.job = build_job(run.cfg, run.plan, run.data, steps, run.strategy)
+        self.job = build_job(run.cfg, run.plan, run.data, run.steps, run.strategy)
         self.given = cfg.probe["from"]
         if self.given:
             self._load(os.path.abspath(os.path.expanduser(self.given)))

@@ -1,11 +1,11 @@
 """``train(cfg) -> metrics``: one ``ga-train`` job, from a composed config to a trained model.
 
 The Hydra entry point (:mod:`gacli.runner.command.cli`) only composes the config and calls this;
-tests call it directly. A :class:`Run` owns the job: its batch plan (resolved once by
-:func:`gacli.runner.plan.batch.resolve_batch`, printed at start and logged), the model and engine
-(:mod:`gacli.runner.builders.job`), the data stream and its order, its callbacks, checkpoints and
-resume, the out-of-memory re-plan and the result. The functions around it take what they use, and
-can be run one by one.
+tests call it directly. A :class:`Run` owns the job: its plan (a value that only
+:func:`gacli.runner.plan.job_plan.make_plan` makes, printed at start and logged), the model and
+engine (:mod:`gacli.runner.builders.job`), the data stream and its order, its callbacks,
+checkpoints and resume, the out-of-memory re-plan and the result. The functions around it take
+what they use, and can be run one by one.
 """
 
 import contextlib
@@ -54,7 +54,6 @@ from gacli.runner.config.schema import (
     shown_name,
 )
 from gacli.runner.plan.accum_schedule import (
-    AccumSchedule,
     StageTable,
     grown_accum_steps,
     updates_in_epoch,
@@ -63,19 +62,16 @@ from gacli.runner.plan.auto_micro_batch import (
     BatchPlanFile,
     settle_plan,
 )
-from gacli.runner.plan.batch import BatchPlan, resolve_batch
+from gacli.runner.plan.batch import resolve_batch
+from gacli.runner.plan.job_plan import PlanSettings, make_plan
 from gacli.runner.plan.out_of_memory import (
     WindowStart,
     oom_line,
     out_of_memory_message,
     position_in,
-    smaller_plan,
 )
 from gacli.runner.plan.steps import (
-    check_batch_fits_data,
     check_validation_split,
-    execution_steps,
-    plan_steps,
 )
 from gacli.runner.reporting.console import (
     ProgressCallback,
@@ -136,16 +132,17 @@ class Run:
         self.plan_file = BatchPlanFile(run_dir)
         self.chief = None  # known once the strategy is made (it may set TF_CONFIG)
         self.strategy = None
-        self.plan = None  # the BatchPlan; replaced by the out-of-memory re-plan
+        self.asked = None  # the batch arithmetic asked for: a BatchPlan, or an AutoPlan to probe
+        # The JobPlan (gacli.runner.plan.job_plan): a value, replaced by a stage's or an
+        # out-of-memory recovery's, never changed.
+        self.plan = None
         self.data = None
-        self.steps = None  # the StepPlan of the plan
         self.job = None
         self.callbacks = None
         self.state = None
         self.position = (0, 0)  # (epoch, micro-batches done in it) that fit() starts from
         self.chosen = {}  # start-up panel lines on how the micro-batch was chosen
         self.history = {}  # metric name -> values per epoch, of the fit() that finished
-        self.schedule = None  # the AccumSchedule of accum_schedule, when set
         self.stages = None  # its StageTable: each epoch's accum_steps, checkpointed
         self.announced = False  # the run directory's line has been printed
         # Whether float32 products run in TF32 while the job runs: cfg.tf32 applied, on a GPU
@@ -206,7 +203,7 @@ class Run:
         # strategy, which may split devices: listing them, as the reset does, fixes TensorFlow's
         # device setup.)
         reset_memory_peaks()
-        self.plan = resolve_batch(
+        self.asked = resolve_batch(
             cfg.micro_batch_size,
             cfg.accum_steps,
             cfg.effective_batch_size,
@@ -222,23 +219,24 @@ class Run:
         self.data = load_dataset(self.cfg.dataset, self.cfg.seed)
 
     def settle_plan(self):
-        """The micro-batch probed or kept from before, checked against the data; its steps."""
-        self.plan, self.chosen = settle_plan(
-            self.cfg, self.plan, self.data, self.strategy, self.run_dir, self.announce_run_dir
+        """The micro-batch probed or kept from before; the plan made from it, checked against the
+        data."""
+        settled, self.chosen = settle_plan(
+            self.cfg, self.asked, self.data, self.strategy, self.run_dir, self.announce_run_dir
         )
-        self.schedule = AccumSchedule.of(
-            self.cfg,
-            self.plan.accum_steps,
-            max(1, self.data.train_size // self.plan.global_micro_batch_size),
-        )
+        self.plan = make_plan(PlanSettings.of(self.cfg), self.data.train_size, settled)
         if self.schedule is not None:
-            plan = self.plan
-            largest = BatchPlan(plan.micro_batch_size, self.schedule.largest, plan.replicas)
-            check_batch_fits_data(self.cfg, largest, self.data.train_size)
-            self.plan = BatchPlan(plan.micro_batch_size, self.schedule.start, plan.replicas)
-            self.chosen["accum schedule"] = _schedule_line(self.schedule, plan)
-        check_batch_fits_data(self.cfg, self.plan, self.data.train_size)
-        self.steps = plan_steps(self.cfg, self.plan, self.data.train_size, self.schedule)
+            self.chosen["accum schedule"] = _schedule_line(self.schedule, settled)
+
+    @property
+    def steps(self):
+        """The plan's StepPlan."""
+        return self.plan.steps
+
+    @property
+    def schedule(self):
+        """The plan's AccumSchedule of accum_schedule, when set."""
+        return self.plan.schedule
 
     def build(self):
         """The compiled model and engine; the start-up panel; ``resolved.yaml``."""
@@ -560,11 +558,9 @@ class Run:
 
     def _set_stage(self, accum_steps, restored=False):
         """The plan, the engine, the reporters and the learning rate's scale at ``accum_steps``."""
-        plan = self.plan
-        if accum_steps != plan.accum_steps:
-            self.plan = BatchPlan(plan.micro_batch_size, accum_steps, plan.replicas)
-            spe = execution_steps(self.cfg, self.plan, self.job.wrapper)
-            self.steps = dataclasses.replace(self.steps, steps_per_execution=spe)
+        if accum_steps != self.plan.accum_steps:
+            self.plan = self.plan.at_stage(accum_steps)
+            spe = self.steps.steps_per_execution
             set_accum_steps(self.job.model, accum_steps, spe, restored=restored)
             for reporter in self.callbacks.reporters():
                 reporter.replan(self.plan, 0)
@@ -622,7 +618,7 @@ class Run:
         re-planned with half the micro-batch, or an error that says what to type."""
         cfg, plan = self.cfg, self.plan
         recover = cfg.oom == OutOfMemory.recover
-        smaller = smaller_plan(plan)
+        smaller = plan.halved()
         if recover and smaller is not None and cfg.jit_compile:
             self._stop_for_resume(smaller, error)
         rewound = self.callbacks.window_start.rewind() if recover else None
@@ -668,7 +664,6 @@ class Run:
     def _replan(self, plan, error):
         """The job set up for ``plan`` after an out-of-memory error."""
         self.plan = plan
-        self.steps = plan_steps(self.cfg, plan, self.data.train_size)
         set_accum_steps(self.job.model, plan.accum_steps, self.steps.steps_per_execution)
         window_start = self.callbacks.window_start
         window_start.count += 1

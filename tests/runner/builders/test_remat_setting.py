@@ -46,4 +46,6 @@ def test_a_block_the_model_does_not_have_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError) as refused:
         train(compose_config(*SHORT, "remat=[dense_9]"), str(tmp_path / "run"))
     assert str(refused.value).startswith("remat names layer 'dense_9', which model 'mlp'")
+    # What to type instead, as the command line takes it (not Python's list of strings).
+    assert "'remat=[dense" in str(refused.value) and "remat=['" not in str(refused.value)
     assert not (tmp_path / "run" / "result.json").exists()

@@ -50,24 +50,25 @@ def test_no_micro_batch_gives_the_effective_batch_and_every_suggestion_works(
 
 def test_a_schedule_larger_than_the_data_suggests_a_schedule_that_works():
     from gacli.runner.plan.accum_schedule import check_schedule
+    from gacli.runner.plan.job_plan import PlanSettings
     from gacli.runner.plan.steps import check_batch_fits_data
 
     cfg = compose_config("accum_schedule={0:100000000000}", "epochs=3")
     train_size = 1438  # the digits' training split
     with pytest.raises(ConfigError) as refused:
-        check_batch_fits_data(cfg, BatchPlan(32, 100000000000, 1), train_size)
+        check_batch_fits_data(PlanSettings.of(cfg), BatchPlan(32, 100000000000, 1), train_size)
     message = str(refused.value)
     assert "partial_window=carry" not in message, message  # schedules refuse it
     (suggested,) = re.findall(r"'(accum_schedule=\{[^']*\})'", message)
     fixed = compose_config(suggested, "epochs=3")
     check_schedule(fixed)
     largest = max(dict(fixed.accum_schedule).values())
-    check_batch_fits_data(fixed, BatchPlan(32, largest, 1), train_size)
+    check_batch_fits_data(PlanSettings.of(fixed), BatchPlan(32, largest, 1), train_size)
     assert largest == 44  # the most micro-batches of 32 within 1438 samples
 
     gns = compose_config("accum_schedule=gns", "monitor.gns=true", "accum_steps=100")
     with pytest.raises(ConfigError, match="Start accum_schedule=gns from accum_steps=44 or less"):
-        check_batch_fits_data(gns, BatchPlan(32, 100, 1), train_size)
+        check_batch_fits_data(PlanSettings.of(gns), BatchPlan(32, 100, 1), train_size)
 
 
 def test_an_empty_validation_split_is_refused_before_training(tmp_path):

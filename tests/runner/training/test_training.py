@@ -367,12 +367,12 @@ def test_the_job_steps_run_alone(tmp_path):
     from gacli.runner.builders.data import load_dataset
     from gacli.runner.builders.job import build_job
     from gacli.runner.plan.batch import resolve_batch
-    from gacli.runner.plan.steps import plan_steps
+    from gacli.runner.plan.job_plan import PlanSettings, make_plan
 
     cfg = compose_config("epochs=2", "micro_batch_size=64", "accum_steps=4")
     plan = resolve_batch(64, 4, None, 1)
     data = load_dataset(cfg.dataset, cfg.seed)
-    schedule = plan_steps(cfg, plan, data.train_size)
+    schedule = make_plan(PlanSettings.of(cfg), data.train_size, plan).steps
     assert schedule.micro_batches == -(-data.train_size // 64)
     assert schedule.total_updates == 2 * -(-schedule.micro_batches // 4)
     job = build_job(cfg, plan, data, schedule, tf.distribute.get_strategy())

@@ -37,6 +37,7 @@ FREE_ON_RESUME = (
     "objective",
     "logger",
     "mlflow",
+    "remat",  # recomputation changes no number: a resumed run may turn it on or off
 )
 AUTO = "auto"  # micro_batch_size=auto: probe the device for the micro-batch
 # probe=batch's keys (configs/probe/batch.yaml): an open dict in the schema, because one of its

@@ -350,18 +350,12 @@ def test_a_resumed_run_that_finishes_sets_its_failure_aside_and_frees_its_lock(t
 RANDOM_JOB = ("model._target_=user_project.nets.noisy", "epochs=1", "accum_steps=4")
 
 
-def test_resume_is_exact_with_layers_that_draw_random_numbers(tmp_path, monkeypatch):
-    """Stopped as SIGTERM stops it, after micro-batch 30 (in the middle of a window), and
-    resumed: the same weights as the uninterrupted run, to the bit. Without the seed generators'
-    states in the checkpoint, the resumed run draws the masks and noise of a fresh start."""
-    import tensorflow as tf
-
+def _stopped_at_micro_batch_30(run_dir, monkeypatch):
+    """RANDOM_JOB in ``run_dir``, stopped as SIGTERM stops it after micro-batch 30 (in the middle
+    of a window), its checkpoint saved."""
     from gacli.errors import Interrupted
     from gacli.runner.training.run import train
     from gacli.runner.training.run_state import RunCheckpoint
-
-    uninterrupted, stopped = str(tmp_path / "uninterrupted"), str(tmp_path / "stopped")
-    train(compose_config(*RANDOM_JOB), uninterrupted)
 
     batch_end = RunCheckpoint.on_train_batch_end
 
@@ -372,18 +366,50 @@ def test_resume_is_exact_with_layers_that_draw_random_numbers(tmp_path, monkeypa
 
     monkeypatch.setattr(RunCheckpoint, "on_train_batch_end", signalled_at_30)
     with pytest.raises(Interrupted, match="checkpoint saved"):
-        train(compose_config(*RANDOM_JOB), stopped)
+        train(compose_config(*RANDOM_JOB), run_dir)
     monkeypatch.undo()
+
+
+def _same_weights(run_dir, other):
+    measured = record(run_difference(run_dir, other))
+    assert measured == 0.0
+    finished = (json.load(open(os.path.join(d, "result.json"))) for d in (run_dir, other))
+    assert next(finished)["weights_sha256"] == next(finished)["weights_sha256"]
+
+
+def test_resume_is_exact_with_layers_that_draw_random_numbers(tmp_path, monkeypatch):
+    """Stopped after micro-batch 30 and resumed: the same weights as the uninterrupted run, to
+    the bit. Without the seed generators' states in the checkpoint, the resumed run draws the
+    masks and noise of a fresh start."""
+    import tensorflow as tf
+
+    from gacli.runner.training.run import train
+
+    uninterrupted, stopped = str(tmp_path / "uninterrupted"), str(tmp_path / "stopped")
+    train(compose_config(*RANDOM_JOB), uninterrupted)
+    _stopped_at_micro_batch_30(stopped, monkeypatch)
     newest, _ = newest_checkpoint(stopped)
     held = {name for name, _ in tf.train.list_variables(newest) if name.startswith("random_state")}
     # Dropout's and GaussianNoise's seed generators, and Keras' global one.
     assert len(held) == 3, held
 
     train(compose_config(*RANDOM_JOB, f"resume={stopped}"), stopped)
-    measured = record(run_difference(stopped, uninterrupted))
-    assert measured == 0.0
-    finished = (json.load(open(os.path.join(d, "result.json"))) for d in (stopped, uninterrupted))
-    assert next(finished)["weights_sha256"] == next(finished)["weights_sha256"]
+    _same_weights(stopped, uninterrupted)
+
+
+def test_a_run_may_resume_with_recomputation_turned_on(tmp_path, monkeypatch, capsys):
+    """remat changes no number, so a resumed run may turn it on (say, after running out of
+    memory): stopped in the middle of a window and resumed with remat=every, it ends with the
+    weights of the uninterrupted run without recomputation, its dropout and noise included."""
+    from gacli.runner.training.run import train
+
+    uninterrupted, stopped = str(tmp_path / "uninterrupted"), str(tmp_path / "stopped")
+    train(compose_config(*RANDOM_JOB), uninterrupted)
+    _stopped_at_micro_batch_30(stopped, monkeypatch)
+    capsys.readouterr()
+    train(compose_config(*RANDOM_JOB, "remat=every", f"resume={stopped}"), stopped)
+    assert "recompute" in capsys.readouterr().out
+    _same_weights(stopped, uninterrupted)
 
 
 def _noisy_subclassed_model():

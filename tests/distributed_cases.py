@@ -219,6 +219,38 @@ def noise_scale_every_case():
 
 
 # (replicas, samples, micro-batch per replica, accum_steps) of the 2-replica settings.
+def remat_case(precision, replicas=2, samples=70, micro=16, accum_steps=2):
+    """The model wrapper's fit() under MirroredStrategy with and without recomputation (blocks
+    of Dense, AccumBatchNormalization, ReLU and Dropout; ragged windows): the largest difference
+    of any variable, the moving statistics and window sums included."""
+    x, y = make_data(samples)
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+    keras.mixed_precision.set_global_policy(precision)
+    variables = []
+    try:
+        for remat in (None, "every"):
+            keras.utils.set_random_seed(0)
+            with strategy.scope():
+                layers = [keras.Input((x.shape[1],))]
+                for _ in range(2):
+                    layers += [
+                        keras.layers.Dense(8, use_bias=False),
+                        gacli.AccumBatchNormalization(accum_steps=accum_steps, momentum=0.5),
+                        keras.layers.ReLU(),
+                        keras.layers.Dropout(0.3),
+                    ]
+                layers.append(keras.layers.Dense(1, dtype="float32"))
+                model = gacli.wrap_model(
+                    keras.Sequential(layers), accum_steps=accum_steps, remat=remat
+                )
+                model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+            model.fit(x, y, batch_size=micro * replicas, epochs=EPOCHS, shuffle=False, verbose=0)
+            variables.append([np.asarray(v.numpy(), "float64") for v in model.variables])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(*variables, strict=True))
+
+
 RAGGED = (2, 70, 16, 2)
 FULL = (2, 128, 16, 2)
 
@@ -250,13 +282,15 @@ def cases():
     for optimizer in ("momentum", "adam", "adamw"):
         found[f"embedding-model-2replicas-ragged-{optimizer}"] = (
             embedding_case, optimizer, *RAGGED)  # fmt: skip
+    for precision in ("float32", "mixed_float16"):
+        found[f"remat-model-2replicas-ragged-{precision}"] = (remat_case, precision)
     return found
 
 
 # Each group runs in a process of its own: their models differ from the MLP of the others, and a
 # second MirroredStrategy in one process can reuse the first's collective instance keys, which
 # fails on tensors of another shape (TensorFlow's collectives, not gacli's).
-SEPARATE = ("noise-scale", "embedding")
+SEPARATE = ("noise-scale", "embedding", "remat")
 
 
 def main():

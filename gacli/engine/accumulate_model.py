@@ -495,7 +495,13 @@ class GradientAccumulateModel(AccumulationMixin, keras.Model):
         remat = self.accumulation_config.remat
         if remat is None or kwargs:
             return super().call(inputs, training=training, mask=mask, **kwargs)
-        return recomputing_call(self, remat, inputs, training=training, mask=mask)
+
+        def plain_call():  # the functional call, with the named layers' calls recomputed
+            return super(GradientAccumulateModel, self).call(inputs, training=training, mask=mask)
+
+        return recomputing_call(
+            self, remat, inputs, training=training, mask=mask, plain_call=plain_call
+        )
 
     def get_config(self):
         if compat.is_functional(self):

@@ -104,23 +104,24 @@ def tiny_tokens(n=MICRO * K * WINDOWS, length=12, vocabulary=64):
     return tokens * mask, mask
 
 
-def tiny_backbone(name):
-    """A KerasHub backbone class ``name`` built from a tiny config, without dropout."""
+def tiny_backbone(name, num_layers=1, dropout=0.0):
+    """A KerasHub backbone class ``name`` built from a tiny config (without dropout unless
+    asked)."""
     hub = pytest.importorskip("keras_hub", reason="the hub extra: pip install 'gacli[hub]'")
     keras.utils.set_random_seed(0)
     return hub, getattr(hub.models, name)(
         vocabulary_size=64,
-        num_layers=1,
+        num_layers=num_layers,
         num_heads=2,
         hidden_dim=16,
         intermediate_dim=32,
         max_sequence_length=12,
-        dropout=0.0,
+        dropout=dropout,
     )
 
 
-def gpt2_causal_lm():
-    hub, backbone = tiny_backbone("GPT2Backbone")
+def gpt2_causal_lm(num_layers=1, dropout=0.0):
+    hub, backbone = tiny_backbone("GPT2Backbone", num_layers, dropout)
     return hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
 
@@ -156,3 +157,37 @@ def test_kerashub_text_classifier_gives_the_big_batch_and_passes_the_check():
     model.compile(optimizer=keras.optimizers.SGD(0.05), **options)
     result = gacli.check_equivalence(model, x, y, micro_batch_size=MICRO)
     assert result.passed, result
+
+
+def test_m1_kerashub_transformer_layers_recomputed_train_the_same_weights(monkeypatch):
+    """Contract M1 on a KerasHub task model: a GPT-2 causal LM (two transformer layers, dropout
+    0.1) with each transformer layer recomputed by name, its padding mask a keyword argument of
+    the layer's call, trained by the model wrapper on padded tokens: the same weights as without
+    recomputation (the recomputed pass draws the first pass's dropout masks)."""
+    from gacli.engine import remat as recomputation
+
+    blocks = []
+    block = recomputation.recompute_block
+    monkeypatch.setattr(
+        recomputation,
+        "recompute_block",
+        lambda function, tensors, layers, training=None: (
+            blocks.append(layers[0].name) or block(function, tensors, layers, training)
+        ),
+    )
+    tokens, mask = tiny_tokens()
+    x = {"token_ids": tokens, "padding_mask": mask}
+    y = np.roll(tokens, -1, axis=1)
+    trained = []
+    for remat in (None, ["transformer_layer_0", "transformer_layer_1"]):
+        model = gacli.wrap_model(gpt2_causal_lm(2, dropout=0.1), accum_steps=K, remat=remat)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.fit(
+            x, y, sample_weight=mask.astype("float32"), batch_size=MICRO, shuffle=False, verbose=0
+        )
+        trained.append(model.get_weights())
+    assert set(blocks) == {"transformer_layer_0", "transformer_layer_1"}  # traced recomputed
+    assert record(weights_difference(*trained)) <= 1e-6

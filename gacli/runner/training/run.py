@@ -61,9 +61,10 @@ from gacli.runner.plan.accum_schedule import (
 )
 from gacli.runner.plan.auto_micro_batch import (
     BatchPlanFile,
+    result_fields,
     settle_plan,
 )
-from gacli.runner.plan.batch import BatchPlan, resolve_batch
+from gacli.runner.plan.batch import resolve_batch
 from gacli.runner.plan.out_of_memory import (
     WindowStart,
     oom_line,
@@ -233,9 +234,9 @@ class Run:
         )
         if self.schedule is not None:
             plan = self.plan
-            largest = BatchPlan(plan.micro_batch_size, self.schedule.largest, plan.replicas)
+            largest = dataclasses.replace(plan, accum_steps=self.schedule.largest)
             check_batch_fits_data(self.cfg, largest, self.data.train_size)
-            self.plan = BatchPlan(plan.micro_batch_size, self.schedule.start, plan.replicas)
+            self.plan = dataclasses.replace(plan, accum_steps=self.schedule.start)
             self.chosen["accum schedule"] = _schedule_line(self.schedule, plan)
         check_batch_fits_data(self.cfg, self.plan, self.data.train_size)
         self.steps = plan_steps(self.cfg, self.plan, self.data.train_size, self.schedule)
@@ -562,7 +563,7 @@ class Run:
         """The plan, the engine, the reporters and the learning rate's scale at ``accum_steps``."""
         plan = self.plan
         if accum_steps != plan.accum_steps:
-            self.plan = BatchPlan(plan.micro_batch_size, accum_steps, plan.replicas)
+            self.plan = dataclasses.replace(plan, accum_steps=accum_steps)
             spe = execution_steps(self.cfg, self.plan, self.job.wrapper)
             self.steps = dataclasses.replace(self.steps, steps_per_execution=spe)
             set_accum_steps(self.job.model, accum_steps, spe, restored=restored)
@@ -751,6 +752,7 @@ class Run:
                 host_peak_rss_bytes=host_memory_bytes()[1],
                 tf32=self.tf32,
                 **weights_from,
+                **result_fields(cfg, plan, self.plan_file.read()),
             )
             if self.stages is not None:
                 result["samples_seen"] = self.callbacks.clock.layout.samples_before(micro_steps)

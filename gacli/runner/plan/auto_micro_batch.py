@@ -89,7 +89,8 @@ class Probe:
 
     def row(self):
         speed = f"{self.samples_per_second:,.0f}" if self.samples_per_second else ""
-        memory = f"{self.peak_bytes / 2**20:,.0f} MiB" if self.peak_bytes else ""
+        peak = self.peak_bytes
+        memory = f"{peak / 2**20:,.0f} MiB" if peak is not None else ""
         result = "fits" if self.fits else "over budget" if self.over_budget else "out of memory"
         return f"{self.micro_batch_size:>11}  {result:<13}" + f"  {speed:>9}  {memory}".rstrip()
 
@@ -162,8 +163,9 @@ def _peak_read():
 def memory_kind():
     """Where the probe reads each size's peak: ``"device"`` (GPUs and TPUs: the memory TensorFlow
     tracks there); on a CPU ``"CPU"``, the peak of TensorFlow's CPU allocator where it keeps
-    statistics (builds with oneDNN, the default on x86 Linux); else ``"host"``, the process's
-    peak resident memory (Linux); None where neither can be read.
+    statistics (builds with oneDNN, the default on x86 Linux: it counts tensors of 256 KiB and
+    more, the ones a micro-batch grows; smaller ones go to malloc uncounted); else ``"host"``,
+    the process's peak resident memory (Linux); None where neither can be read.
 
     Not the process's resident memory where the allocator can be read: TensorFlow's oneDNN
     allocator keeps the memory a step freed for the next one, so after one size the resident

@@ -252,8 +252,25 @@ def accumulation_config(cfg, plan):
         nonfinite=_nonfinite_policy(cfg.precision),
         noise_scale=cfg.monitor.gns,
         noise_scale_every=cfg.monitor.gns_every,
-        remat=remat_setting(cfg.get("remat")),
+        remat=run_remat(cfg, plan),
     )
+
+
+def run_remat(cfg, plan):
+    """The recomputation the job trains with: the one ``plan`` was chosen with
+    (``micro_batch_size=auto``'s probe), else the config's ``remat``; None: none."""
+    if getattr(plan, "remat", None) is not None:
+        return remat_setting(plan.remat)
+    return remat_setting(cfg.get("remat"))
+
+
+def remat_description(remat):
+    """What ``remat`` (as :func:`run_remat` gives it) recomputes, in the panel's words."""
+    if isinstance(remat, tuple):
+        return f"the layers {', '.join(remat)}, each as one block"
+    if remat == "every":
+        return "every block of the model"
+    return f"runs of {remat} blocks"
 
 
 def batchnorm_warning(policy, accum_steps, layers):
@@ -321,21 +338,20 @@ class Job:
             "strategy": f"{cfg.strategy.name.value} ({replicas} replica"
             f"{'s' if replicas > 1 else ''})",
             "learning rate": f"{self.learning_rate:.3g} at update 0",
-            **self._recompute_line(cfg),
+            **self._recompute_line(cfg, plan),
         }
 
-    def _recompute_line(self, cfg):
-        """The panel's line for ``remat``, where it is set: what is recomputed."""
-        remat = remat_setting(cfg.get("remat"))
+    def _recompute_line(self, cfg, plan):
+        """The panel's line for recomputation, where there is any: what is recomputed, and
+        whether the setting or the probe chose it."""
+        remat = run_remat(cfg, plan)
         if remat is None:
             return {}
-        if isinstance(remat, tuple):
-            what = f"the layers {', '.join(remat)}, each as one block"
-        elif remat == "every":
-            what = "every block of the model"
+        if remat_setting(cfg.get("remat")) == remat:
+            why = f"remat={cfg.remat}"
         else:
-            what = f"runs of {remat} blocks"
-        return {"recompute": f"{what}, in the backward pass (remat={cfg.remat})"}
+            why = f"remat={remat}, chosen by micro_batch_size=auto"
+        return {"recompute": f"{remat_description(remat)}, in the backward pass ({why})"}
 
 
 def _shapes(input_shape):

@@ -103,6 +103,13 @@ class Pick(str, enum.Enum):
     fastest = "fastest"  # the one with the most samples/s among those that fit
 
 
+class AutoRemat(str, enum.Enum):
+    # With remat unset: when memory holds the micro-batch below what the fewest passes need, also
+    # probe with recomputation (remat=every) and keep it where it needs fewer passes
+    auto = "auto"
+    off = "off"  # never recompute unless remat is set
+
+
 @dataclass
 class ModelConfig:
     # What builds the keras.Model: the chosen file's (model=unet: gacli.models.unet) or your own
@@ -211,6 +218,13 @@ class AutoBatchConfig:
     margin: float = 0.1
     max_micro_batch_size: Optional[int] = None  # the largest size probed (None: the data's)
     timed_calls: int = 2  # compiled calls timed per size, after one that warms up
+    # The memory a micro-batch may use, in MiB (None: the device's, until it runs out): a size
+    # whose measured peak is above it does not fit ("over budget"; no margin is taken off it).
+    # Device memory on a GPU; on a CPU the peak of TensorFlow's CPU allocator (tensors: weights,
+    # optimizer state, activations), not the whole process's resident memory.
+    memory_budget_mib: Optional[int] = None
+    # With remat unset: recomputation as the probe's second lever (docs/guides/recompute.md).
+    remat: AutoRemat = AutoRemat.auto
 
 
 class CheckName(str, enum.Enum):

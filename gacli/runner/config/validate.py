@@ -229,6 +229,11 @@ def _validate_batch_choice(cfg, given=()):
             f"auto_batch.max_micro_batch_size={auto.max_micro_batch_size} must be >= 1, or null "
             "for the size of the training data."
         )
+    if auto.memory_budget_mib is not None and auto.memory_budget_mib < 1:
+        raise ConfigError(
+            f"auto_batch.memory_budget_mib={auto.memory_budget_mib} must be >= 1 (MiB), e.g. "
+            "auto_batch.memory_budget_mib=8000, or null for all of the device's memory."
+        )
     several_workers = cfg.strategy.name == StrategyName.multi_worker
     if several_workers and (cfg.micro_batch_size == AUTO or cfg.oom == OutOfMemory.recover):
         raise ConfigError(

@@ -12,11 +12,14 @@ from gacli.runner.config.schema import AUTO
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """The batch arithmetic of a run, derived once and printed at start."""
+    """The batch arithmetic of a run, derived once and printed at start, and the recomputation
+    the micro-batch was chosen with (``remat``: a value of the ``remat`` setting, as
+    :func:`~gacli.runner.config.schema.remat_setting` gives it; None: the config's)."""
 
     micro_batch_size: int
     accum_steps: int
     replicas: int
+    remat: object = None
 
     @property
     def effective_batch_size(self):

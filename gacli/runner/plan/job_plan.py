@@ -93,6 +93,10 @@ class JobPlan:
     def global_micro_batch_size(self):
         return self.batch.global_micro_batch_size
 
+    @property
+    def remat(self):
+        return self.batch.remat
+
     def at_stage(self, accum_steps):
         """The plan of the schedule's stage at ``accum_steps`` (the same micro-batch)."""
         return make_plan(self.settings, self.train_size, self.first, stage=accum_steps)
@@ -105,28 +109,31 @@ class JobPlan:
         if size is None:
             return None
         ratio = self.micro_batch_size // size
-        first = BatchPlan(size, self.first_accum_steps * ratio, self.replicas)
+        first = dataclasses.replace(
+            self.batch, micro_batch_size=size, accum_steps=self.first_accum_steps * ratio
+        )
         stage = self.accum_steps * ratio if self.schedule is not None else None
         return make_plan(self.settings, self.train_size, first, stage=stage)
 
     @property
     def first(self):
-        return BatchPlan(self.micro_batch_size, self.first_accum_steps, self.replicas)
+        return dataclasses.replace(self.batch, accum_steps=self.first_accum_steps)
 
 
 def make_plan(settings, train_size, first, stage=None):
     """The :class:`JobPlan` of ``first`` (a :class:`BatchPlan`: the micro-batch, the accum_steps to
-    start from, the replicas) for a training set of ``train_size`` samples, at the schedule's
-    ``stage`` (its accum_steps; None: the schedule's first stage, or ``first`` without one).
-    A ConfigError, saying what to type, when the data cannot give it."""
+    start from, the replicas, the recomputation chosen with them) for a training set of
+    ``train_size`` samples, at the schedule's ``stage`` (its accum_steps; None: the schedule's
+    first stage, or ``first`` without one). A ConfigError, saying what to type, when the data
+    cannot give it."""
     schedule = AccumSchedule.of(
         settings, first.accum_steps, max(1, train_size // first.global_micro_batch_size)
     )
     if schedule is not None:
-        largest = BatchPlan(first.micro_batch_size, schedule.largest, first.replicas)
+        largest = dataclasses.replace(first, accum_steps=schedule.largest)
         check_batch_fits_data(settings, largest, train_size)
         stage = schedule.start if stage is None else stage
-    current = BatchPlan(first.micro_batch_size, stage or first.accum_steps, first.replicas)
+    current = dataclasses.replace(first, accum_steps=stage or first.accum_steps)
     check_batch_fits_data(settings, current, train_size)
     steps = plan_steps(settings, current, train_size, schedule)
     return JobPlan(settings, train_size, current, first.accum_steps, schedule, steps)

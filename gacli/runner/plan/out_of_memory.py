@@ -10,10 +10,10 @@ zero at every window's start, so nothing larger is copied. When a call fails wit
 batch, and training goes on from the window's first sample.
 """
 
+import dataclasses
+
 import keras
 import tensorflow as tf
-
-from gacli.runner.plan.batch import BatchPlan
 
 
 class WindowStart(keras.callbacks.Callback):
@@ -124,7 +124,9 @@ def smaller_plan(plan):
     size = smaller_micro_batch(plan.micro_batch_size)
     if size is None:
         return None
-    return BatchPlan(size, plan.accum_steps * (plan.micro_batch_size // size), plan.replicas)
+    return dataclasses.replace(
+        plan, micro_batch_size=size, accum_steps=plan.accum_steps * (plan.micro_batch_size // size)
+    )
 
 
 def oom_line(error):

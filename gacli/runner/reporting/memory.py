@@ -101,6 +101,25 @@ def reset_high_water_mark():
     return True
 
 
+def start_host_peak():
+    """Start a new host high-water mark for one measurement (``micro_batch_size=auto``'s probe of
+    one size): what an earlier measurement freed is handed back to the OS first, so that memory
+    malloc kept does not count again. The job's own peak (:func:`host_memory_bytes`) keeps what
+    came before. False where the kernel does not allow it (no ``/proc/self/clear_refs``)."""
+    host_memory_bytes()
+    gc.collect()
+    release_free_memory()
+    return reset_high_water_mark()
+
+
+def host_peak_bytes():
+    """``VmHWM`` now, in bytes: the peak resident memory since :func:`start_host_peak`; None
+    without ``/proc``. The job's own peak takes it into account too."""
+    host_memory_bytes()
+    fields = dict(_FIELD.findall(_read_status() or b""))
+    return int(fields[b"VmHWM"]) * 1024 if b"VmHWM" in fields else None
+
+
 def reset_memory_peaks():
     """Start the host and device peaks of a new job at what is live now.
 

@@ -4,7 +4,8 @@
 writer that ``logger=`` names (:mod:`gacli.runner.reporting.writers`); :class:`TensorBoardWriter`
 is the default one.
 
-Tags: ``batch/{effective_size,micro_size,accum_steps,replicas}`` (the configuration),
+Tags: ``batch/{effective_size,micro_size,accum_steps,replicas,recompute}`` (the configuration;
+``recompute`` is 1 where activations are recomputed),
 ``batch/update_samples`` (the samples the update was taken over), ``train/<metric>``,
 ``val/<metric>``, ``optimizer/{lr,step,micro_step}``,
 ``throughput/{samples_per_sec,mean_samples_per_sec}`` and ``time/first_call_seconds``
@@ -296,6 +297,8 @@ class RunLogger(keras.callbacks.Callback):
                 ("batch/accum_steps", self.plan.accum_steps),
                 ("batch/replicas", self.plan.replicas),
                 ("batch/oom_recoveries", self.oom_recoveries),
+                # 1 where activations are recomputed (remat, set or chosen by the probe)
+                ("batch/recompute", 0.0 if getattr(self.plan, "remat", None) is None else 1.0),
             ]
         return self._plan_scalars
 

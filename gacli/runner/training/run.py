@@ -60,6 +60,7 @@ from gacli.runner.plan.accum_schedule import (
 )
 from gacli.runner.plan.auto_micro_batch import (
     BatchPlanFile,
+    result_fields,
     settle_plan,
 )
 from gacli.runner.plan.batch import resolve_batch
@@ -623,7 +624,7 @@ class Run:
             self._stop_for_resume(smaller, error)
         rewound = self.callbacks.window_start.rewind() if recover else None
         if rewound is None or smaller is None:
-            raise TrainingFailed(out_of_memory_message(plan, recover, error)) from None
+            raise TrainingFailed(out_of_memory_message(plan.batch, recover, error)) from None
         self.position = position_in(rewound, plan, smaller)
         self._replan(smaller, error)
         if cfg.checkpoint and is_chief():
@@ -728,10 +729,8 @@ class Run:
                     f"the model again and call model.load_weights('{saved}').",
                     soft_wrap=True,
                 )
-        updates, micro_steps = (
-            int(accumulator.optimizer_step.numpy()),
-            int(accumulator.micro_step.numpy()),
-        )
+        updates = int(accumulator.optimizer_step.numpy())
+        micro_steps = int(accumulator.micro_step.numpy())
         noise = accumulator.noise_scale()
         if chief:
             result = dict(
@@ -746,6 +745,7 @@ class Run:
                 host_peak_rss_bytes=host_memory_bytes()[1],
                 tf32=self.tf32,
                 **weights_from,
+                **result_fields(cfg, plan, self.plan_file.read()),
             )
             if self.stages is not None:
                 result["samples_seen"] = self.callbacks.clock.layout.samples_before(micro_steps)

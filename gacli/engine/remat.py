@@ -84,6 +84,34 @@ def _in_recomputed_pass():
     return getattr(_recomputing, "depth", 0) > 0
 
 
+@tf.custom_gradient
+def _gradient_after(output):
+    """``output`` as it is; its gradient waits, by data, for ``output`` to be computed.
+
+    The recomputed pass reads the block's weights again, and the block's backward uses those
+    reads: a Dense at the end of a block multiplies the incoming gradient by the kernel read
+    there, while the kernel's own gradient needs no read of it. In a ``tf.function`` that also
+    applies the gradients (a custom loop's ``apply_gradients``), only a control edge of its
+    automatic control dependencies orders that read before the kernel's update, and TensorFlow's
+    Grappler drops it: its dependency optimizer finds the edge implied by a path through an
+    ``IdentityN`` (``tf.custom_gradient``'s, the optimizer's) and then removes the ``IdentityN``.
+    In the runs where the update comes first, the recomputed pass sees the updated kernel and the
+    gradients of the blocks below are other ones
+    (``test_remat.py::test_m1_custom_loop_gradients_and_statistics_equal``). With every gradient
+    of the block computed from one that depends on the recomputed output, every update comes
+    after the reads of the recomputed pass.
+    """
+
+    def gradient(upstream):
+        # A zero computed from one element of ``output``, compared as a bool (which equals itself
+        # where the element is NaN, too): adding it is exact, and Grappler cannot fold it away.
+        first = tf.cast(tf.reduce_max(tf.reshape(output, [-1])[:1]), tf.bool)
+        zero = tf.where(tf.equal(first, first), 0.0, float("nan"))
+        return upstream + tf.cast(zero, upstream.dtype)
+
+    return tf.identity(output), gradient
+
+
 def recompute_block(function, tensors, layers, training=None):
     """``function(tensors)`` (a list of tensors in, a structure of tensors out) under
     recomputation: its activations are not kept for the backward pass but computed again there.
@@ -111,7 +139,7 @@ def recompute_block(function, tensors, layers, training=None):
         with tf.control_dependencies(outputs):
             for variable, value in zip(state, after, strict=True):
                 variable.assign(value)
-            return [tf.identity(x) for x in outputs]
+            return [_gradient_after(x) if x.dtype.is_floating else tf.identity(x) for x in outputs]
 
     flat = tf.recompute_grad(run)(*tensors)
     outputs = tree.pack_sequence_as(first["structure"], flat)

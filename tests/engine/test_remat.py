@@ -16,15 +16,6 @@ SGD_TOLERANCE, ADAM_TOLERANCE = 1e-6, 1e-5
 pytestmark = pytest.mark.filterwarnings("ignore::gacli.engine.batchnorm.BatchNormWarning")
 
 
-# Open (contract row M1, custom loops): gacli.recompute in a tf.function loop of one's own gives
-# other gradients in some runs (about one process in five here, also with batch norm alone or
-# dropout alone; each run's result is one of two, 0.19 to 0.79 apart), while the model wrappers'
-# fit() gave 0.0 in every run. Its cause is not found; the tests keep running and report it.
-CUSTOM_LOOP_OPEN = pytest.mark.xfail(
-    strict=False, reason="M1 open for gacli.recompute in custom loops: intermittent, cause unknown"
-)
-
-
 def block_stack(seed=0, batchnorm="keep", accum_steps=K, name="stack"):
     """Two blocks of Dense, batch norm, ReLU and Dropout, and a Dense head: the blocks have
     random layers and moving statistics, the two things a naive recomputation gets wrong. (No
@@ -138,7 +129,6 @@ def custom_loop(model, steps=3, jit_compile=False):
 
 
 @pytest.mark.exactness
-@CUSTOM_LOOP_OPEN
 def test_m1_custom_loop_gradients_and_statistics_equal():
     gradients, variables = custom_loop(block_stack())
     model = block_stack()
@@ -150,7 +140,6 @@ def test_m1_custom_loop_gradients_and_statistics_equal():
     assert record(weights_difference(variables, recomputed_variables)) <= SGD_TOLERANCE
 
 
-@CUSTOM_LOOP_OPEN
 def test_naive_recomputation_fails_what_m1_asserts(monkeypatch):
     """What plain tf.recompute_grad does, one half at a time: without the seed generators set
     back, the second pass draws new dropout masks (the gradients of a forward pass that never ran,

@@ -4,6 +4,7 @@ Every exactness test compares an accumulated run with a plain Keras run that see
 as one batch per window, starting from the same weights (``helpers.big_batch_reference``).
 """
 
+import gc
 import json
 import os
 
@@ -48,6 +49,14 @@ def _skip_multi_epoch_runs():
         return train(cfg, *args, **kwargs)
 
     run.train = one_epoch_only
+
+
+def pytest_collection_finish(session):
+    """Everything imported so far (TensorFlow, Keras, Hydra, the test modules) lives as long as
+    the process: frozen, Python's collector stops walking it again in each full collection, of
+    which a session has many (every train() starts with one, gacli.runner.reporting.memory)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True, scope="session")

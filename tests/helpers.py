@@ -316,6 +316,22 @@ def run_dir_of(output):
     return lines[0].split(": ", 1)[1]
 
 
+def first_error_line(output):
+    """The first line of ga-train's refusal (``ga-train: ...``), or the whole output if none."""
+    lines = [line for line in output.splitlines() if line.startswith("ga-train:")]
+    return lines[0] if lines else output
+
+
+def assert_refused(code, output, first_line, tmp_path):
+    """ga-train's answer to bad input: exit code 2, ``first_line`` in its paragraph, no traceback,
+    and no run left under ``tmp_path``/outputs that resume= could take for an unfinished one."""
+    assert code == 2, output
+    assert "Traceback" not in output, output
+    assert first_line in output, output
+    outputs = tmp_path / "outputs"
+    assert not outputs.exists() or not any(outputs.rglob("*.yaml")), list(outputs.rglob("*"))
+
+
 def shipped(package, group=None):
     """Names of the YAML files shipped in ``package`` (``group``: a config group folder)."""
     folder = resources.files(package) / group if group else resources.files(package)

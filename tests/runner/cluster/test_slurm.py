@@ -3,6 +3,7 @@ together, the SLURM guide's sbatch script requeued in the middle of its run, and
 launcher submitting a sweep and a job of two tasks. Each ends with the weights of the same
 training on one process (plain Keras' big batch, WORKER_JOB of test_distributed_cli)."""
 
+import functools
 import glob
 import json
 import os
@@ -30,8 +31,10 @@ SLURM_GUIDE = os.path.join(ROOT, "docs", "guides", "distributed.md")
 TWO_TASKS = (*WORKER_JOB, "strategy=multi_worker", "strategy.cluster=slurm")
 
 
+@functools.cache
 def _cluster_problem():
-    """Why the local SLURM cluster cannot run jobs, or None when it can."""
+    """Why the local SLURM cluster cannot run jobs, or None when it can (asked once, when a
+    test of this file first runs: sinfo waits seconds for a controller that is not there)."""
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         return "SLURM's commands are not installed (bash scripts/slurm_local.sh installs them)"
     state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
@@ -47,8 +50,14 @@ pytestmark = [
     pytest.mark.slurm,
     pytest.mark.slow,
     pytest.mark.distributed,
-    pytest.mark.skipif(_cluster_problem() is not None, reason=str(_cluster_problem())),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cluster_is_up():
+    problem = _cluster_problem()
+    if problem is not None:
+        pytest.skip(problem)
 
 
 @pytest.fixture(scope="module")

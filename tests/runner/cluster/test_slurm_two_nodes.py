@@ -5,6 +5,7 @@ node that dies in the middle of a window, the worker's and the chief's. Each end
 of the same training on one process (plain Keras' big batch, WORKER_JOB of test_distributed_cli).
 """
 
+import functools
 import glob
 import json
 import os
@@ -37,8 +38,10 @@ LONGER_JOB = tuple("epochs=4" if a.startswith("epochs=") else a for a in WORKER_
 PEER_TIMEOUT = 10
 
 
+@functools.cache
 def _cluster_problem():
-    """Why the two-node cluster cannot run jobs, or None when it can."""
+    """Why the two-node cluster cannot run jobs, or None when it can (asked once, when a
+    test of this file first runs: sinfo waits seconds for a controller that is not there)."""
     if not os.path.exists(SLURM_CONF):
         return "the two-node SLURM cluster is not set up (bash scripts/slurm_two_nodes.sh)"
     state = subprocess.run(
@@ -63,8 +66,14 @@ pytestmark = [
     pytest.mark.slurm,
     pytest.mark.slow,
     pytest.mark.distributed,
-    pytest.mark.skipif(_cluster_problem() is not None, reason=str(_cluster_problem())),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cluster_is_up():
+    problem = _cluster_problem()
+    if problem is not None:
+        pytest.skip(problem)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Hydra's own launcher and sweeper plugins, installed as a user installs them: the key check lets
 them through (and still refuses typos), joblib runs jobs side by side, Optuna searches with the
 job's objective and goes on past a failed trial; an objective no job can report is said once,
-before any job runs. The SLURM launcher is in test_slurm.py."""
+before any job or trial runs, and every objective a sweep accepts is one a run logs. The SLURM
+launcher is in test_slurm.py."""
 
 import glob
 import json
@@ -122,3 +123,32 @@ def test_optuna_searches_with_the_objective_and_goes_on_past_a_failed_trial(tmp_
     best = f"optimizer.learning_rate={results['best_params']['optimizer.learning_rate']}"
     (best_run,) = [name for name in runs if best in name]
     assert runs[best_run] == pytest.approx(results["best_value"])
+
+
+def test_an_optuna_sweep_with_a_misspelt_objective_ends_before_its_first_trial(tmp_path):
+    code, output = ga_train(
+        "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1",
+        "hydra.sweeper.direction=maximize", "objective=val_acuracy",
+        "optimizer.learning_rate=choice(0.003,0.01)", "epochs=1", "progress=none",
+        "hydra.sweep.dir=sweep", cwd=tmp_path,
+    )  # fmt: skip
+    assert code == 2, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("ga-train:")]
+    assert lines[0].startswith(
+        "ga-train: objective=val_acuracy is not a metric a ga-train run logs"
+    ), output
+    assert "Did you mean objective=val_accuracy?" in lines[0]
+    assert "No trials are completed" not in output and "Traceback" not in output
+    assert not glob.glob(str(tmp_path / "sweep" / "*" / "result.json")), "nothing trained"
+
+
+def test_every_objective_a_sweep_accepts_is_one_a_run_logs():
+    from gacli.runner.builders.job import loss_and_metrics
+    from gacli.runner.config.objective import LOGGED
+
+    logged = set()
+    tasks = (("classification", 10), ("segmentation", 1), ("segmentation", 3), ("regression", 2))
+    for task, outputs in tasks:
+        _, metrics = loss_and_metrics(task, outputs)
+        logged |= {m if isinstance(m, str) else m.name for m in metrics}
+    assert logged | {"loss"} == set(LOGGED)

@@ -1,30 +1,13 @@
-"""Refusals that a run makes, made too where no job runs (``--cfg job``) or where one job of many
-is refused (a sweep goes on to the next, and its end names the jobs that did not finish)."""
+"""A sweep whose jobs are refused: it goes on to the next job, and its end names the jobs that did
+not finish and why; a sweep never writes into the directory of another sweep's runs."""
 
 import glob
 import json
+import os
 
 import pytest
 
 from helpers import ga_train
-
-REFUSED = (
-    "ga-train: effective_batch_size=100 is not a multiple of accum_steps x replicas = 3 x 1 = 3"
-)
-
-
-@pytest.mark.parametrize("shown", ["job", "all"])
-def test_printing_the_config_refuses_what_a_run_refuses(tmp_path, shown):
-    code, output = ga_train(
-        "accum_steps=3", "effective_batch_size=100", "--cfg", shown, cwd=tmp_path
-    )
-    assert code == 2 and "Traceback" not in output, output
-    assert output.startswith(REFUSED), output
-    assert "micro_batch_size:" not in output, "refused before the config is printed"
-    code, output = ga_train(
-        "accum_steps=4", "effective_batch_size=100", "--cfg", "job", cwd=tmp_path
-    )
-    assert code == 0 and "effective_batch_size: 100" in output, output
 
 
 @pytest.mark.slow
@@ -63,3 +46,12 @@ def test_an_optuna_sweep_whose_every_trial_is_refused_ends_with_their_reason(tmp
     ), lines
     assert ", #1 (accum_steps=3 " in lines[-1] and lines[-1].count("is not a multiple") == 1
     assert not glob.glob(str(tmp_path / "sweep" / "*" / "result.json")), "nothing trained"
+
+
+def test_a_sweep_never_writes_into_another_sweeps_directory(tmp_path):
+    (tmp_path / "sweep" / "0_accum_steps=1").mkdir(parents=True)
+    (tmp_path / "sweep" / "0_accum_steps=1" / "result.json").write_text("{}")
+    code, output = ga_train("-m", "accum_steps=1,2", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert "hydra.sweep.dir=sweep already holds a sweep's runs" in output, output
+    assert os.listdir(tmp_path / "sweep" / "0_accum_steps=1") == ["result.json"]

@@ -1,16 +1,24 @@
 """probe=batch: each branch is the plain run of its effective batch over the probe's samples (same
 weights, same samples in the same order), a branch leaves nothing behind in the next, and bad
-probe settings end with one paragraph and exit code 2 before TensorFlow loads."""
+probe settings end with one paragraph and exit code 2 before TensorFlow loads, those that used to
+pass quietly (a size listed twice, a tolerance that is not finite) among them, with a suggestion
+that is accepted; more probe samples than the training set holds are cut, with a line that says
+so."""
 
 import glob
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+from rich.console import Console
 
+from gacli.errors import ConfigError
+from gacli.runner.config.validate import validate
 from gacli.runner.tools.batch_probe import critical_batch_size, probe_batch
 from gacli.runner.training.run import train
 from helpers import (
@@ -152,3 +160,48 @@ def test_probe_under_two_replicas_branches_are_the_plain_mirrored_runs(tmp_path)
     assert sizes[128]["val_loss"] == expected["val_loss"]
     assert [sizes[32]["accum_steps"], sizes[128]["accum_steps"]] == [1, 4]  # 16 x 2 replicas
     assert [sizes[32]["updates"], sizes[128]["updates"]] == [16, 4]
+
+
+@pytest.mark.parametrize(
+    "arguments, expected",
+    [
+        (("probe.effective_sizes=[32,32]",), "lists 32 more than once"),
+        (("probe.effective_sizes=[32,64,32]",), "e.g. probe.effective_sizes=[32,64]."),
+        (("probe.tolerance=nan",), "probe.tolerance=nan must be >= 0 and finite"),
+        (("probe.tolerance=inf",), "probe.tolerance=inf must be >= 0 and finite"),
+    ],
+)
+def test_probe_settings_that_used_to_pass_quietly(arguments, expected):
+    with pytest.raises(ConfigError) as refused:
+        validate(compose_config("probe=batch", *arguments))
+    assert expected in str(refused.value)
+
+
+def test_the_suggested_probe_sizes_are_accepted():
+    with pytest.raises(ConfigError) as refused:
+        validate(compose_config("probe=batch", "probe.effective_sizes=[32,32]"))
+    (suggested,) = re.findall(r"(probe.effective_sizes=\[[\d,]+\])", str(refused.value))
+    validate(compose_config("probe=batch", suggested))
+
+
+def test_a_nan_tolerance_is_refused_before_tensorflow(tmp_path):
+    code, output = ga_train("probe=batch", "probe.tolerance=nan", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert "ga-train: probe.tolerance=nan must be" in output
+    assert not glob.glob(str(tmp_path / "outputs" / "*" / "*")), "the run's directory is removed"
+
+
+def test_probe_samples_beyond_the_training_set_are_cut_with_a_line():
+    from gacli.runner.tools.batch_probe import samples_within_training_set
+
+    printed = io.StringIO()
+    console = Console(file=printed, width=400)
+    cfg = compose_config("probe=batch")  # 2048 samples over sizes 32, 128, 512
+    cut = samples_within_training_set(cfg, 1438, console)
+    assert cut.probe.samples == 1024 and cfg.probe.samples == 2048
+    assert "probe.samples=2048 is more than the 1438 training samples" in printed.getvalue()
+    assert "every branch trains on 1024" in printed.getvalue()
+    assert samples_within_training_set(cfg, 4096, console) is cfg  # within: unchanged
+    odd = compose_config("probe=batch", "probe.effective_sizes=[96,128]", "probe.samples=768")
+    with pytest.raises(ConfigError, match="the smallest common multiple is 384"):
+        samples_within_training_set(odd, 300, console)

@@ -4,7 +4,8 @@ made and holds, and a command Hydra cannot compose leaves none; a worker that is
 refused under a strategy of one process instead of training and saving nothing, and so is the
 chief of a cluster of several, which would train alone; result.json and epoch_logs.json get the
 umask's permissions; a SIGTERM before training says what was saved; a folder of the user's is
-never written into; a run killed before its first checkpoint is not mixed with another command's;
+never written into, nor one whose checkpoint folder cannot be written, nor one another run holds;
+a run killed before its first checkpoint is not mixed with another command's;
 a full disk is named as such and the run resumes once there is room."""
 
 import glob
@@ -22,7 +23,7 @@ import pytest
 from gacli import rundir
 from gacli.runner.tools.batch_probe import PROBE_FILE
 from gacli.runner.tools.equivalence_check import EQUIVALENCE_FILE
-from helpers import ga_train, start_ga_train
+from helpers import ga_train, run_dir_of, start_ga_train
 
 QUICK = ("epochs=1", "progress=none")
 PROBE = ("probe=batch", "probe.effective_sizes=[32,128]", "probe.samples=512", "progress=none")
@@ -420,3 +421,69 @@ def test_a_full_disk_is_named_as_such_and_the_run_resumes_once_there_is_room(tmp
     assert code == 0, output
     assert "resume: from epoch 2, micro-batch 0 of it" in output
     assert os.path.exists(run_dir / "result.json") and os.path.exists(run_dir / "model.keras")
+
+
+@pytest.mark.slow
+def test_an_unwritable_checkpoint_folder_is_found_at_start(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("a file where the folder should be")
+    code, output = ga_train(f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert f"the checkpoint folder {run_dir}/checkpoints cannot be written" in output, output
+    assert not (run_dir / "tensorboard").exists()  # found before training, not at the first save
+    assert (run_dir / "checkpoints").read_text() == "a file where the folder should be"
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_held_directory_is_refused(tmp_path):
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "ga-train"),
+        "epochs=4",
+        "progress=plain",
+        "hydra.run.dir=shared",
+    ]
+    first = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    lock = tmp_path / "shared" / ".gacli.lock"
+    deadline = time.time() + 120
+    while not (lock.exists() and lock.read_text()):
+        assert first.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    hydra_record = tmp_path / "shared" / ".hydra" / "overrides.yaml"
+    while not (hydra_record.exists() and hydra_record.read_text()):  # created, then written
+        assert first.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    recorded = hydra_record.read_text()
+    code, output = ga_train("epochs=1", "hydra.run.dir=shared", cwd=tmp_path)
+    assert code == 2 and "Traceback" not in output, output
+    assert f"shared is in use by another run: ga-train, pid {first.pid}" in output, output
+    first_output = first.communicate(timeout=300)[0]
+    assert first.returncode == 0, first_output
+    # The refused run wrote nothing: not Hydra's record of the job, not a result.
+    assert hydra_record.read_text() == recorded
+    assert run_dir_of(first_output).endswith("shared")
+
+
+def test_bad_input_never_removes_a_directory_that_holds_something_else(tmp_path):
+    # A folder of the user's is now refused as a run directory before anything else is checked
+    # (test_a_folder_of_the_users_is_never_written_into), so the bad data path is never reached;
+    # the folder stays whole.
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("the user's own file")
+    code, output = ga_train(
+        "dataset=npz",
+        f"dataset.path={tmp_path}/missing.npz",
+        f"hydra.run.dir={existing}",
+        cwd=tmp_path,
+    )
+    assert code == 2 and "already holds files that ga-train did not write (notes.txt)" in output
+    assert os.listdir(existing) == ["notes.txt"]
+    assert (existing / "notes.txt").read_text() == "the user's own file"

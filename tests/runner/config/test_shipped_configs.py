@@ -1,12 +1,10 @@
-"""One config language: every shipped model, dataset and optimizer is a file of ``_target_`` and
-arguments, read by the code that reads a user's; the spellings that went are refused, before
-TensorFlow loads, with the one to type; and every shipped option and recipe is proven by a dry
-run of one update."""
+"""The shipped configs: every shipped model, dataset and optimizer is a file of ``_target_`` and
+arguments, read by the code that reads a user's (the spellings that went are refused in
+test_setting_refusals.py), and every shipped option and recipe is proven by a dry run of one
+update."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -28,76 +26,6 @@ def test_every_shipped_model_dataset_and_optimizer_file_is_a_target_and_its_argu
                 content = yaml.safe_load(handle)
             assert "name" not in content, (group, name)
             assert str(content["_target_"]).startswith(module), (group, name)
-
-
-# Each spelling that went, and what the refusal must tell the user to type instead.
-GONE = [
-    (["model.name=unet"], "Type model=unet instead"),
-    (["model.name=ResNet50"], "Type model=application model.architecture=ResNet50 instead"),
-    (["model.name=transformer"], "Type model=<name>, one of application, cnn, mlp,"),
-    (["model=factory", "model.factory=pkg.nets:build"], "model._target_=my_pkg.models.build"),
-    (["model.factory=pkg.nets:build"], "Type model._target_=pkg.nets.build instead"),
-    (["+model.kwargs.width=3"], "Type model.width=3 instead"),
-    (["model=own", "model._target_=pkg.Net"], "model._target_=my_pkg.nets.Net (with its"),
-    (["dataset=own"], "dataset._target_=my_pkg.data.make (with its"),
-    (["dataset.name=npz"], "Type dataset=npz instead"),
-    (["optimizer.name=sgd"], "Type optimizer=sgd instead"),
-    (["optimizer.lr_scaling=sqrt"], "Type lr_scaling=sqrt lr_reference_batch=256"),
-    (["optimizer.base_batch_size=512"], "type lr_reference_batch=512 instead"),
-    (["precision.policy=mixed_bfloat16"], "Type precision=mixed_bfloat16 instead"),
-    # The arguments of a shipped model or dataset are checked against its function.
-    (["model.depth=4"], "model.depth is read only with model=resnet or model=unet, and this run"),
-    (["model=unet", "model.dept=4"], "model.dept is not a key ga-train reads with model=unet"),
-    (["dataset.image_size=64"], "dataset.image_size is read only with dataset=image_folder or"),
-    (["model.hidden_units=[0]"], "model.hidden_units=[0] must hold layer widths >= 1"),
-    # Their kinds too, told by the function's defaults: Hydra reads depth=abc as a string.
-    (["model=unet", "model.depth=abc"], "model.depth=abc must be a whole number, as its"),
-    (["model.hidden_units=[a]"], "model.hidden_units=['a'] must be a list of whole numbers"),
-    (["model.dropout=true"], "model.dropout=true must be a number"),
-    # Not a spelling that went, but refused as early: recomputation needs the model wrapper.
-    (["remat=every", "wrapper=optimizer"], "remat recomputes in the model wrapper's train step"),
-]
-FILES = [
-    ("model: {name: cnn}", "Add '- override /model: cnn' to the defaults list"),
-    ("model: {factory: 'pkg.nets:build'}", "Type model._target_=pkg.nets.build instead"),
-    ("dataset: {name: shapes}", "Add '- override /dataset: shapes' to the defaults list"),
-    ("optimizer: {lr_scaling: linear}", "Type lr_scaling=linear lr_reference_batch=256"),
-]
-CHECK = """
-import contextlib, io, json, sys
-from gacli.runner.command.cli import main
-results = []
-for arguments in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
-        try:
-            code = main(arguments)
-        except SystemExit as stop:
-            code = stop.code
-    results.append([code, err.getvalue()])
-print(json.dumps({"results": results, "tensorflow": "tensorflow" in sys.modules}))
-"""
-
-
-def test_the_spellings_that_went_are_refused_before_tensorflow_with_the_one_to_type(tmp_path):
-    cases = [arguments for arguments, _ in GONE]
-    for index, (text, _) in enumerate(FILES):
-        (tmp_path / f"old{index}.yaml").write_text(f"defaults: [/train, _self_]\n{text}\n")
-        cases.append([f"config=./old{index}.yaml"])
-    found = subprocess.run(
-        [sys.executable, "-c", CHECK, json.dumps(cases)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert found.returncode == 0, found.stderr[-3000:]
-    answer = json.loads(found.stdout.splitlines()[-1])
-    assert answer["tensorflow"] is False  # every refusal came before TensorFlow loaded
-    for (code, output), wanted in zip(answer["results"], [w for _, w in GONE + FILES]):
-        lines = [line for line in output.splitlines() if line.startswith("ga-train: ")]
-        assert code == 2 and len(lines) == 1 and "Traceback" not in output, output
-        assert wanted in lines[0], (wanted, lines[0])
 
 
 # -- every shipped option proven by one update ---------------------------------------------------
